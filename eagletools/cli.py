@@ -1,0 +1,71 @@
+"""The `eagletools` command: parse, then call one library function.
+
+Each command lives in `eagletools/commands/<name>.py` with `register(subparsers)`
+that adds its parser and sets `func`; heavy imports happen inside `func`, so
+`eagletools --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from eagletools import __version__
+from eagletools.errors import UserError
+
+COMMAND_MODULES = (
+    "assets",
+    "data",
+    "vocab",
+    "train",
+    "convert",
+    "inspect",
+    "generate",
+    "eval",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="eagletools",
+        description="Train, convert and validate EAGLE-3 draft heads for speculative decoding.",
+    )
+    parser.add_argument("--version", action="version", version=f"eagletools {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(f"eagletools.commands.{name}")
+        except ModuleNotFoundError as err:
+            if err.name == f"eagletools.commands.{name}":
+                continue  # not built yet
+            raise
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        result = args.func(args)
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return int(result or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
