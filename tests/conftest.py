@@ -1,0 +1,51 @@
+"""Shared fixtures: tiny random targets of each supported family.
+
+Tiny configs keep unit tests in seconds on 2 cores; the real built-in target
+is used only by tests marked `integration`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def tiny_config(family: str, **overrides):
+    """A 4-layer random config of `family` with GQA and a 256-token vocab."""
+    from transformers import AutoConfig
+
+    common = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    )
+    if family == "qwen3":
+        common["head_dim"] = 16
+    common.update(overrides)
+    return AutoConfig.for_model(family, **common)
+
+
+def tiny_model(family: str, seed: int = 0, dtype=torch.float32, **overrides):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, **overrides), dtype=dtype)
+    return model.eval()
+
+
+@pytest.fixture(params=FAMILIES)
+def family(request) -> str:
+    return request.param
