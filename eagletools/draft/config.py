@@ -1,0 +1,88 @@
+"""The draft head's configuration: every field a serving engine needs to load it."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from eagletools.errors import UserError
+
+
+@dataclass
+class DraftConfig:
+    """Sizes of an EAGLE-3 head (design notes 3.3).
+
+    `aux_layer_ids` use Hugging Face `output_hidden_states` indexing (index k is
+    the output of decoder layer k-1); formats convert on read and write.
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int  # the target's vocabulary
+    draft_vocab_size: int
+    target_hidden_size: int
+    num_aux_states: int = 3
+    aux_layer_ids: list[int] | None = None  # None: unknown (old checkpoints)
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    norm_before_residual: bool = False
+    qk_norm: bool = False  # Qwen3-style per-head q/k RMSNorm
+    hidden_act: str = "silu"
+    extra: dict[str, Any] = field(default_factory=dict)  # fields we carry but do not use
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self, source: str = "draft config") -> None:
+        def bad(name: str, why: str) -> UserError:
+            return UserError(f"{source}: field {name!r} {why}")
+
+        for name in (
+            "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+            "head_dim", "vocab_size", "draft_vocab_size", "target_hidden_size",
+            "num_aux_states", "max_position_embeddings",
+        ):  # fmt: skip
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise bad(name, f"must be a positive integer, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise bad(
+                "num_key_value_heads",
+                f"({self.num_key_value_heads}) must divide num_attention_heads "
+                f"({self.num_attention_heads})",
+            )
+        if self.draft_vocab_size > self.vocab_size:
+            raise bad(
+                "draft_vocab_size",
+                f"({self.draft_vocab_size}) exceeds the target vocab_size ({self.vocab_size})",
+            )
+        if self.aux_layer_ids is not None:
+            if len(self.aux_layer_ids) != self.num_aux_states:
+                raise bad(
+                    "aux_layer_ids",
+                    f"has {len(self.aux_layer_ids)} ids but num_aux_states is {self.num_aux_states}",
+                )
+            if any(i < 0 for i in self.aux_layer_ids):
+                raise bad("aux_layer_ids", f"must be non-negative, got {self.aux_layer_ids}")
+        if self.hidden_act != "silu":
+            raise bad("hidden_act", f"{self.hidden_act!r} is not supported (only 'silu')")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "draft config") -> DraftConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise UserError(f"{source}: unknown fields {unknown}; known: {sorted(names)}")
+        try:
+            return cls(**data)
+        except TypeError as err:
+            raise UserError(f"{source}: {err}") from None

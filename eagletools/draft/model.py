@@ -1,0 +1,257 @@
+"""The EAGLE-3 draft head (design notes 3.3), in one file.
+
+One Llama-style decoder layer whose attention input is the concatenation of
+the normed token embedding and the normed hidden state (2H wide). The layer's
+attention is left to the caller: training-time test attends over a causal
+block plus a diagonal per unrolled step, the tree decoder over a KV cache with
+a tree mask. Both use `qkv` before and `finish` after their attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eagletools.draft.config import DraftConfig
+from eagletools.rope import RotaryEmbedding, apply_rope
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 like the targets do, so bf16 drafts match their training.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: DraftConfig):
+        super().__init__()
+        h, hd = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            hd,
+        )
+        self.q_proj = nn.Linear(2 * h, self.num_heads * hd, bias=False)
+        self.k_proj = nn.Linear(2 * h, self.num_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(2 * h, self.num_kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * hd, h, bias=False)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(hd, config.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, config.rms_norm_eps)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: DraftConfig):
+        super().__init__()
+        h, i = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=False)
+        self.up_proj = nn.Linear(h, i, bias=False)
+        self.down_proj = nn.Linear(i, h, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Eagle3Layer(nn.Module):
+    """The `midlayer`: norms, 2H-wide attention projections, SwiGLU MLP."""
+
+    def __init__(self, config: DraftConfig):
+        super().__init__()
+        self.norm_before_residual = config.norm_before_residual
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def qkv(
+        self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """embeds, hidden [B,T,H] -> q [B,nh,T,hd], k, v [B,nkv,T,hd], residual [B,T,H]."""
+        normed = self.hidden_norm(hidden)
+        residual = normed if self.norm_before_residual else hidden
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
+        attn = self.self_attn
+        b, t, _ = x.shape
+        q = attn.q_proj(x).view(b, t, attn.num_heads, attn.head_dim).transpose(1, 2)
+        k = attn.k_proj(x).view(b, t, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
+        v = attn.v_proj(x).view(b, t, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
+        if hasattr(attn, "q_norm"):
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, residual
+
+    def finish(self, attn_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """attn_out [B,nh,T,hd] -> the layer's pre-norm output [B,T,H]."""
+        b, _, t, _ = attn_out.shape
+        h = self.self_attn.o_proj(attn_out.transpose(1, 2).reshape(b, t, -1)) + residual
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+@dataclass
+class DraftKVCache:
+    """Static K/V storage for decoding, [B, n_kv_heads, max_len, head_dim]."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @classmethod
+    def allocate(
+        cls,
+        config: DraftConfig,
+        batch_size: int,
+        max_len: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> DraftKVCache:
+        shape = (batch_size, config.num_key_value_heads, max_len, config.head_dim)
+        return cls(
+            torch.zeros(shape, dtype=dtype, device=device),
+            torch.zeros(shape, dtype=dtype, device=device),
+        )
+
+
+class Eagle3Draft(nn.Module):
+    """EAGLE-3 draft head; `state_dict()` keys are the `eagle` checkpoint keys."""
+
+    def __init__(self, config: DraftConfig):
+        super().__init__()
+        self.config = config
+        h = config.hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, h)
+        self.embed_tokens.weight.requires_grad_(False)  # the target's, frozen
+        self.fc = nn.Linear(config.num_aux_states * config.target_hidden_size, h, bias=False)
+        self.midlayer = Eagle3Layer(config)
+        self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(
+            config.head_dim,
+            config.rope_theta,
+            config.rope_scaling,
+            config.max_position_embeddings,
+        )
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
+        t2d[: config.draft_vocab_size] = True
+        self.register_buffer("t2d", t2d)
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=0.02)
+
+    @classmethod
+    def from_target(
+        cls,
+        model: nn.Module,
+        draft_vocab=None,
+        aux_layer_ids: list[int] | None = None,
+        init_head_from_target: bool = True,
+        **overrides,
+    ) -> Eagle3Draft:
+        """A draft sized from a Hugging Face target: same width, heads and RoPE.
+
+        The embeddings are copied and frozen. With `init_head_from_target`, the
+        output norm and `lm_head` start as the target's (draft-vocab rows only),
+        so step 0 begins near the target's own distribution.
+        """
+        from eagletools.vocab import DraftVocab
+
+        tc = model.config
+        n_layers = tc.num_hidden_layers
+        if aux_layer_ids is None:
+            aux_layer_ids = [2, n_layers // 2, n_layers - 3]
+        vocab_size = tc.vocab_size
+        if draft_vocab is None:
+            draft_vocab = DraftVocab.identity(vocab_size)
+        rope = dict(getattr(tc, "rope_parameters", None) or {})
+        rope_theta = rope.pop("rope_theta", getattr(tc, "rope_theta", 10000.0))
+        rope_scaling = rope if rope.get("rope_type", "default") != "default" else None
+        fields = dict(
+            hidden_size=tc.hidden_size,
+            intermediate_size=tc.intermediate_size,
+            num_attention_heads=tc.num_attention_heads,
+            num_key_value_heads=tc.num_key_value_heads,
+            head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads,
+            vocab_size=vocab_size,
+            draft_vocab_size=int(draft_vocab.d2t.numel()),
+            target_hidden_size=tc.hidden_size,
+            num_aux_states=len(aux_layer_ids),
+            aux_layer_ids=list(aux_layer_ids),
+            rms_norm_eps=tc.rms_norm_eps,
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=tc.max_position_embeddings,
+        )
+        fields.update(overrides)
+        draft = cls(DraftConfig(**fields))
+        target_embed = model.get_input_embeddings().weight.detach()
+        with torch.no_grad():
+            draft.embed_tokens.weight.copy_(target_embed.float())
+            draft.d2t.copy_(draft_vocab.d2t)
+            draft.t2d.copy_(draft_vocab.t2d)
+            if init_head_from_target and draft.config.hidden_size == tc.hidden_size:
+                rows = torch.arange(draft.config.draft_vocab_size) + draft_vocab.d2t
+                draft.lm_head.weight.copy_(model.get_output_embeddings().weight[rows].float())
+                draft.norm.weight.copy_(model.model.norm.weight.float())
+        return draft
+
+    def fuse_aux(self, aux: torch.Tensor) -> torch.Tensor:
+        """The target's concatenated aux states [.., A*Ht] -> draft hidden [.., H]."""
+        return self.fc(aux)
+
+    def rope(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rotary(positions, dtype)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Pre-norm hidden [.., H] -> draft-vocab logits [.., Vd]."""
+        return self.lm_head(self.norm(hidden))
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    @torch.no_grad()
+    def decode(
+        self,
+        hidden: torch.Tensor,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: DraftKVCache,
+        slots: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft forward over n new tokens for decoding.
+
+        hidden [B,n,H] (`fuse_aux` output or the previous step's pre-norm
+        output), input_ids [B,n], positions [n] or [B,n]. K/V are written at
+        cache `slots` [n]; the queries attend over cache slots
+        `[0, mask.shape[-1])` where `mask` [n, L] (or [B,1,n,L]) is True.
+        Returns (draft logits [B,n,Vd], pre-norm hidden [B,n,H]).
+        """
+        embeds = self.embed_tokens(input_ids).to(hidden.dtype)
+        cos, sin = self.rope(positions, hidden.dtype)
+        q, k, v, residual = self.midlayer.qkv(embeds, hidden, cos, sin)
+        cache.k[:, :, slots] = k
+        cache.v[:, :, slots] = v
+        length = mask.shape[-1]
+        out = F.scaled_dot_product_attention(
+            q,
+            cache.k[:, :, :length],
+            cache.v[:, :, :length],
+            attn_mask=mask,
+            enable_gqa=True,
+        )
+        h = self.midlayer.finish(out, residual)
+        return self.logits(h), h

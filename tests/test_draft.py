@@ -1,0 +1,123 @@
+"""The draft head: RoPE against transformers, decode against a full causal pass."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from eagletools.draft import DraftConfig, DraftKVCache, Eagle3Draft
+from eagletools.errors import UserError
+from eagletools.rope import RotaryEmbedding, apply_rope
+
+
+def small_config(**overrides) -> DraftConfig:
+    fields = dict(
+        hidden_size=64,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=256,
+        draft_vocab_size=80,
+        target_hidden_size=48,
+        aux_layer_ids=[2, 3, 5],
+    )
+    fields.update(overrides)
+    return DraftConfig(**fields)
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        None,
+        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+         "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+        {"rope_type": "linear", "factor": 2.0},
+    ],
+)  # fmt: skip
+def test_rope_matches_transformers(scaling):
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    params = {"rope_type": "default", **(scaling or {}), "rope_theta": 5e5}
+    hf_config = LlamaConfig(
+        hidden_size=64, num_attention_heads=4, max_position_embeddings=512, rope_parameters=params
+    )
+    hf = LlamaRotaryEmbedding(hf_config)
+    ours = RotaryEmbedding(16, 5e5, scaling, 512)
+    positions = torch.tensor([[0, 1, 7, 100, 511]])
+    x = torch.randn(1, 4, 5, 16)
+    cos_hf, sin_hf = hf(x, positions)
+    cos, sin = ours(positions, torch.float32)
+    torch.testing.assert_close(cos, cos_hf)
+    q_hf, _ = apply_rotary_pos_emb(x, x, cos_hf, sin_hf)
+    torch.testing.assert_close(apply_rope(x, cos, sin), q_hf)
+
+
+@pytest.mark.parametrize("norm_before_residual,qk_norm", [(False, False), (True, True)])
+def test_decode_chain_equals_causal_forward(norm_before_residual, qk_norm):
+    torch.manual_seed(0)
+    draft = Eagle3Draft(
+        small_config(norm_before_residual=norm_before_residual, qk_norm=qk_norm)
+    ).eval()
+    b, t = 2, 7
+    aux = torch.randn(b, t, 3 * 48)
+    ids = torch.randint(0, 256, (b, t))
+    positions = torch.arange(t)
+    with torch.no_grad():
+        hidden = draft.fuse_aux(aux)
+        cos, sin = draft.rope(positions, hidden.dtype)
+        q, k, v, res = draft.midlayer.qkv(draft.embed_tokens(ids), hidden, cos, sin)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        expected_h = draft.midlayer.finish(out, res)
+        expected = draft.logits(expected_h)
+
+    cache = DraftKVCache.allocate(draft.config, b, 16, torch.float32, "cpu")
+    causal = torch.ones(t, t, dtype=torch.bool).tril()
+    # prefill 4 tokens, then 3 one at a time against the cache
+    logits, h = draft.decode(
+        hidden[:, :4], ids[:, :4], positions[:4], cache, torch.arange(4), causal[:4, :4]
+    )
+    chunks, states = [logits], [h]
+    for i in range(4, t):
+        logits, h = draft.decode(
+            hidden[:, i : i + 1], ids[:, i : i + 1], positions[i : i + 1], cache,
+            torch.tensor([i]), causal[i : i + 1, : i + 1],
+        )  # fmt: skip
+        chunks.append(logits)
+        states.append(h)
+    torch.testing.assert_close(torch.cat(chunks, 1), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.cat(states, 1), expected_h, atol=1e-5, rtol=1e-5)
+
+
+def test_state_dict_keys_are_the_eagle_layout():
+    draft = Eagle3Draft(small_config(qk_norm=False))
+    shapes = {k: tuple(v.shape) for k, v in draft.state_dict().items()}
+    assert shapes["fc.weight"] == (64, 3 * 48)
+    assert shapes["midlayer.self_attn.q_proj.weight"] == (4 * 16, 2 * 64)
+    assert shapes["midlayer.self_attn.k_proj.weight"] == (2 * 16, 2 * 64)
+    assert shapes["lm_head.weight"] == (80, 64)
+    assert shapes["d2t"] == (80,) and shapes["t2d"] == (256,)
+    assert not draft.embed_tokens.weight.requires_grad
+
+
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("num_key_value_heads", 3, "must divide"),
+        ("draft_vocab_size", 300, "exceeds"),
+        ("aux_layer_ids", [1, 2], "num_aux_states"),
+        ("hidden_size", 0, "positive integer"),
+    ],
+)
+def test_config_rejects_bad_fields(field, value, message):
+    with pytest.raises(UserError, match=message):
+        small_config(**{field: value})
+
+
+def test_config_round_trips_and_rejects_unknown_keys():
+    config = small_config(rope_scaling={"rope_type": "linear", "factor": 2.0})
+    assert DraftConfig.from_dict(config.to_dict()) == config
+    with pytest.raises(UserError, match="unknown fields \\['hiden_size'\\]"):
+        DraftConfig.from_dict({**config.to_dict(), "hiden_size": 3}, source="x/config.json")
