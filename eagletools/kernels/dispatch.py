@@ -1,0 +1,36 @@
+"""Choosing between a Triton kernel and its PyTorch reference.
+
+Triton runs when every tensor is on CUDA and `EAGLETOOLS_KERNELS` is not
+`reference`; the CPU decoder and anyone debugging a kernel get the reference.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+
+import torch
+
+
+def use_triton(*tensors: torch.Tensor) -> bool:
+    """Whether the Triton kernel should run on these inputs."""
+    if os.environ.get("EAGLETOOLS_KERNELS", "") == "reference":
+        return False
+    return all(t.is_cuda for t in tensors)
+
+
+def lazy_jit(fn: Callable) -> Callable[[], Callable]:
+    """`triton.jit(fn)`, applied at first launch rather than at import.
+
+    `triton.jit` reads `TRITON_INTERPRET` when it decorates; deferring it lets
+    tests switch the interpreter on after this package was imported elsewhere.
+    """
+
+    @functools.cache
+    def compiled():
+        import triton
+
+        return triton.jit(fn)
+
+    return compiled
