@@ -1,0 +1,105 @@
+"""Render a conversation with the tokenizer's own chat template and mask its replies.
+
+No separator of any model family is written here. The full conversation is
+rendered once; each message's text is located in it, searching from where the
+template's rendering of the messages before it ends (so a reply quoted in the
+question is never matched). Character spans become token spans through the
+fast tokenizer's offsets. A reply's mask covers its text and the end-of-turn
+token: the first special token right after the text (whitespace between is
+allowed), e.g. `<|im_end|>`, `<|eot_id|>`, `</s>`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from eagletools.data.conversations import Conversation
+from eagletools.errors import UserError
+
+
+class TemplateMismatch(Exception):
+    """The template changes a message's text, so its span cannot be located."""
+
+
+def read_chat_template(value: str | Path | None) -> str | None:
+    """A Jinja chat template given inline or as a file path."""
+    if value is None:
+        return None
+    value = str(value)
+    if "{" in value:
+        return value
+    path = Path(value).expanduser()
+    if not path.is_file():
+        raise UserError(f"--chat-template {value}: no such file (give a Jinja file or the text)")
+    return path.read_text()
+
+
+def check_tokenizer(tokenizer: Any, chat_template: str | None, source: str = "target") -> None:
+    if not getattr(tokenizer, "is_fast", False):
+        raise UserError(
+            f"the tokenizer of {source} is not a fast tokenizer; loss masks need offsets"
+        )
+    if not (chat_template or tokenizer.chat_template):
+        raise UserError(
+            f"the tokenizer of {source} has no chat template; pass --chat-template FILE "
+            "(a Jinja template such as the one in the model's tokenizer_config.json)"
+        )
+
+
+def _render(tokenizer: Any, messages: list[dict], template: str | None, gen: bool) -> str:
+    return tokenizer.apply_chat_template(
+        messages, chat_template=template, tokenize=False, add_generation_prompt=gen
+    )
+
+
+def assistant_spans(
+    tokenizer: Any, conversation: Conversation, chat_template: str | None = None
+) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered text and the character span of each assistant reply's text."""
+    messages = [{"role": m.role, "content": m.content} for m in conversation]
+    text = _render(tokenizer, messages, chat_template, False)
+    spans, cursor = [], 0
+    for i, msg in enumerate(conversation):
+        if i:  # where this message starts, by the template's own prefix
+            prefix = _render(tokenizer, messages[:i], chat_template, msg.role == "assistant")
+            if text.startswith(prefix):
+                cursor = max(cursor, len(prefix))
+        for needle in (msg.content, msg.content.strip()):
+            start = text.find(needle, cursor)
+            if start >= 0:
+                break
+        else:
+            raise TemplateMismatch(f"message {i} ({msg.role}) not found in the rendered text")
+        cursor = start + len(needle)
+        if msg.role == "assistant":
+            spans.append((start, cursor))
+    return text, spans
+
+
+def _special_ids(tokenizer: Any) -> set[int]:
+    ids = set(tokenizer.all_special_ids)
+    ids.update(i for i, tok in tokenizer.added_tokens_decoder.items() if tok.special)
+    return ids
+
+
+def tokenize_conversation(
+    tokenizer: Any, conversation: Conversation, max_length: int, chat_template: str | None = None
+) -> tuple[list[int], list[int]]:
+    """(input_ids, loss_mask), truncated to `max_length`; loss_mask is 1 on reply tokens."""
+    text, spans = assistant_spans(tokenizer, conversation, chat_template)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = enc["input_ids"], enc["offset_mapping"]
+    special = _special_ids(tokenizer)
+    mask = [0] * len(ids)
+    t = 0
+    for start, end in spans:
+        while t < len(ids) and offsets[t][1] <= start:
+            t += 1
+        while t < len(ids) and offsets[t][0] < end:
+            mask[t] = 1
+            t += 1
+        if t < len(ids) and ids[t] in special and not text[end : offsets[t][0]].strip():
+            mask[t] = 1  # the end-of-turn token
+            t += 1
+    return ids[:max_length], mask[:max_length]

@@ -1,0 +1,267 @@
+"""Conversation data in one form, whatever the source.
+
+Sources: a built-in dataset name, a JSON file (a top-level array, parsed
+incrementally so a file cut off mid-record still yields every whole record),
+a JSONL file (optionally .gz), a Parquet/Arrow file, or a local folder that
+the `datasets` library reads (`save_to_disk` output or data files).
+Records: ShareGPT (`conversations: [{from, value}]`), OpenAI-style
+(`messages: [{role, content}]`) and UltraChat (`data: [user, assistant, ...]`).
+Bad records are repaired when the fix is unambiguous, else dropped; the
+`LoadReport` counts both by reason.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from eagletools import assets
+from eagletools.errors import UserError
+
+ROLES = {
+    "system": "system",
+    "user": "user",
+    "human": "user",
+    "assistant": "assistant",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "model": "assistant",
+}
+_TURN_LISTS = ("messages", "conversations", "conversation", "data")
+
+
+@dataclass(frozen=True)
+class Message:
+    role: str  # system | user | assistant
+    content: str
+
+
+Conversation = list[Message]
+
+
+@dataclass
+class LoadReport:
+    source: str
+    read: int = 0
+    kept: int = 0
+    dropped: Counter = field(default_factory=Counter)
+    repaired: Counter = field(default_factory=Counter)
+    notes: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        lines = [f"{self.source}: read {self.read} records, kept {self.kept}"]
+        for title, counts in (("dropped", self.dropped), ("repaired", self.repaired)):
+            if counts:
+                parts = ", ".join(f"{k}: {v}" for k, v in sorted(counts.items()))
+                lines.append(f"  {title} {sum(counts.values())} ({parts})")
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "source": self.source,
+            "read": self.read,
+            "kept": self.kept,
+            "dropped": dict(sorted(self.dropped.items())),
+            "repaired": dict(sorted(self.repaired.items())),
+            "notes": list(self.notes),
+        }
+
+
+class BadRecord(Exception):
+    """A record that cannot be used; its message is the reason counted."""
+
+
+def _text(value: Any) -> str:
+    """Message content as text; OpenAI content parts are joined."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        return "".join(p.get("text", "") for p in value if isinstance(p, dict))
+    if value is None:
+        return ""
+    raise BadRecord("non_text_content")
+
+
+def _raw_turns(record: Any) -> list[tuple[str, str]]:
+    if not isinstance(record, dict):
+        raise BadRecord("not_an_object")
+    key = next((k for k in _TURN_LISTS if isinstance(record.get(k), list)), None)
+    if key is None:
+        raise BadRecord("no_turn_list")
+    turns = record[key]
+    if turns and all(isinstance(t, str) for t in turns):  # UltraChat: alternating, user first
+        return [("user" if i % 2 == 0 else "assistant", t) for i, t in enumerate(turns)]
+    out = []
+    for turn in turns:
+        if not isinstance(turn, dict):
+            raise BadRecord("malformed_turn")
+        role = turn.get("role", turn.get("from"))
+        content = turn.get("content", turn.get("value"))
+        if not isinstance(role, str) or role.lower() not in ROLES:
+            raise BadRecord("unknown_role")
+        out.append((ROLES[role.lower()], _text(content)))
+    return out
+
+
+def normalize(record: Any, repaired: Counter) -> Conversation:
+    """One record as [system?] user, assistant, user, assistant, ...; raises BadRecord."""
+    turns = _raw_turns(record)
+    msgs: list[list[str]] = []
+    for i, (role, content) in enumerate(turns):
+        if not content.strip():
+            repaired["empty_message_removed"] += 1
+        elif role == "system" and (i > 0 or msgs):
+            repaired["late_system_removed"] += 1
+        elif msgs and msgs[-1][0] == role:
+            msgs[-1][1] += "\n\n" + content
+            repaired["consecutive_turns_merged"] += 1
+        else:
+            msgs.append([role, content])
+    start = 1 if msgs and msgs[0][0] == "system" else 0
+    while len(msgs) > start and msgs[start][0] == "assistant":
+        del msgs[start]
+        repaired["leading_assistant_removed"] += 1
+    if not any(role == "assistant" for role, _ in msgs):
+        raise BadRecord("no_assistant_turn" if turns else "empty")
+    if msgs[-1][0] != "assistant":
+        msgs.pop()
+        repaired["trailing_user_removed"] += 1
+    return [Message(role, content) for role, content in msgs]
+
+
+def _open_text(path: Path) -> io.TextIOBase:
+    if path.suffix == ".gz":
+        return io.TextIOWrapper(gzip.open(path), encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
+def _iter_json_array(path: Path, report: LoadReport) -> Iterator[Any]:
+    """Records of a top-level JSON array, read in chunks; a cut-off tail is reported."""
+    decoder = json.JSONDecoder()
+    with _open_text(path) as f:
+        buf = f.read(1 << 20).lstrip()
+        if not buf.startswith("["):
+            raise UserError(f"{path}: expected a JSON array of records or one JSON object a line")
+        buf, pos, eof, consumed = buf, 1, False, 0
+        while True:
+            while pos < len(buf) and buf[pos] in " \t\r\n,":
+                pos += 1
+            if pos < len(buf) and buf[pos] == "]":
+                return
+            try:
+                record, end = decoder.raw_decode(buf, pos)
+            except json.JSONDecodeError as err:
+                if eof:
+                    lost = len(buf) - pos
+                    at = consumed + pos
+                    report.notes.append(
+                        f"record at character {at} does not parse to the end of the file "
+                        f"({lost} characters lost; a file cut off mid-record?): {err.msg}"
+                    )
+                    report.dropped["truncated_tail"] += 1
+                    return
+                chunk = f.read(1 << 22)
+                eof = not chunk
+                consumed += pos
+                buf, pos = buf[pos:] + chunk, 0
+                continue
+            yield record
+            pos = end
+
+
+def _iter_jsonl(path: Path) -> Iterator[Any]:
+    with _open_text(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError as err:
+                raise UserError(
+                    f"{path}: line {lineno} is not valid JSON ({err.msg} at column {err.colno}); "
+                    "fix or delete that line"
+                ) from None
+
+
+def _iter_datasets(path: Path) -> Iterator[Any]:
+    import datasets
+
+    try:
+        if path.is_dir() and any((path / f).is_file() for f in ("state.json", "dataset_dict.json")):
+            ds = datasets.load_from_disk(str(path))
+        elif path.is_dir():
+            ds = datasets.load_dataset(str(path), split="train")
+        else:
+            kind = {".parquet": "parquet", ".arrow": "arrow"}[path.suffix]
+            ds = datasets.load_dataset(kind, data_files=str(path), split="train")
+    except (ValueError, FileNotFoundError, OSError) as err:
+        raise UserError(f"{path}: the datasets library cannot read it: {err}") from err
+    if isinstance(ds, datasets.DatasetDict):
+        if "train" not in ds:
+            raise UserError(f"{path}: a dataset with splits {list(ds)}; expected a 'train' split")
+        ds = ds["train"]
+    yield from ds
+
+
+def _records(path: Path, report: LoadReport) -> Iterator[Any]:
+    name = path.name.removesuffix(".gz")
+    if path.is_dir() or path.suffix in (".parquet", ".arrow"):
+        return _iter_datasets(path)
+    if name.endswith(".jsonl"):
+        return _iter_jsonl(path)
+    if name.endswith(".json"):
+        with _open_text(path) as f:
+            first = f.read(4096).lstrip()[:1]
+        return _iter_json_array(path, report) if first == "[" else _iter_jsonl(path)
+    raise UserError(
+        f"{path}: unknown data format; give a .json, .jsonl(.gz), .parquet, .arrow file, "
+        "a datasets folder or a built-in dataset name"
+    )
+
+
+def data_path(spec: str | Path) -> Path:
+    """The local file or folder a data spec names (built-in datasets are fetched)."""
+    spec = str(spec)
+    if spec in assets.ASSETS and assets.ASSETS[spec].kind == "dataset":
+        return assets.resolve(spec)
+    path = Path(spec).expanduser()
+    if not path.exists():
+        known = ", ".join(sorted(a.name for a in assets.ASSETS.values() if a.kind == "dataset"))
+        raise UserError(
+            f"data {spec!r}: no such file or folder, and not a built-in dataset (known: {known})"
+        )
+    return path
+
+
+def load_conversations(
+    spec: str | Path, num_samples: int | None = None
+) -> tuple[list[Conversation], LoadReport]:
+    """Up to `num_samples` usable conversations, in file order, and what was dropped."""
+    if num_samples is not None and num_samples < 1:
+        raise UserError(f"--num-samples must be at least 1, got {num_samples}")
+    path = data_path(spec)
+    report = LoadReport(source=str(spec))
+    conversations: list[Conversation] = []
+    for record in _records(path, report):
+        report.read += 1
+        try:
+            conversations.append(normalize(record, report.repaired))
+        except BadRecord as bad:
+            report.dropped[str(bad)] += 1
+            continue
+        if num_samples is not None and len(conversations) >= num_samples:
+            report.notes.append(f"stopped after {num_samples} conversations (--num-samples)")
+            break
+    report.kept = len(conversations)
+    if not conversations:
+        raise UserError(f"{path}: no usable conversation\n{report.summary()}")
+    return conversations, report

@@ -1,0 +1,181 @@
+"""The draft vocabulary: which target ids the draft's lm_head predicts (design notes 3.2).
+
+`d2t[i]` is an offset: draft id i is target id `i + d2t[i]`; `t2d` marks the
+selected target ids. Selection counts assistant tokens only, takes the top
+`Vd` by (count desc, id asc), pads with the smallest unused ids and sorts
+ascending, so the result depends on the counts alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagletools.atomic import atomic_file
+from eagletools.errors import UserError
+
+
+@dataclass
+class DraftVocab:
+    d2t: torch.Tensor  # int64 [Vd]
+    t2d: torch.Tensor  # bool [V]
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.d2t.numel()
+
+    @property
+    def target_vocab_size(self) -> int:
+        return self.t2d.numel()
+
+    @property
+    def selected(self) -> torch.Tensor:
+        """The target ids of draft ids 0..Vd-1."""
+        return torch.arange(self.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+    @property
+    def is_identity(self) -> bool:
+        return self.draft_vocab_size == self.target_vocab_size
+
+    @classmethod
+    def identity(cls, vocab_size: int) -> DraftVocab:
+        return cls(
+            torch.zeros(vocab_size, dtype=torch.long), torch.ones(vocab_size, dtype=torch.bool)
+        )
+
+    @classmethod
+    def from_selected(cls, ids: Any, vocab_size: int) -> DraftVocab:
+        ids = torch.as_tensor(ids, dtype=torch.long).flatten().unique(sorted=True)
+        if ids.numel() and (ids[0] < 0 or ids[-1] >= vocab_size):
+            raise UserError(f"selected token ids must lie in [0, {vocab_size}), got {ids.tolist()}")
+        t2d = torch.zeros(vocab_size, dtype=torch.bool)
+        t2d[ids] = True
+        return cls(ids - torch.arange(ids.numel()), t2d)
+
+    @classmethod
+    def from_d2t(cls, d2t: torch.Tensor, vocab_size: int, source: str = "d2t") -> DraftVocab:
+        """From the offsets alone (SGLang and vLLM read only `d2t`)."""
+        d2t = torch.as_tensor(d2t).cpu()
+        if d2t.dtype not in (torch.int32, torch.int64) or d2t.dim() != 1:
+            raise UserError(
+                f"{source}: d2t must be a 1-D integer tensor, got {d2t.dtype} {tuple(d2t.shape)}"
+            )
+        d2t = d2t.long()
+        ids = torch.arange(d2t.numel()) + d2t
+        t2d = torch.zeros(vocab_size, dtype=torch.bool)
+        inside = ids[(ids >= 0) & (ids < vocab_size)]
+        t2d[inside] = True
+        vocab = cls(d2t, t2d)
+        vocab.validate(source)
+        return vocab
+
+    def checks(self) -> list[tuple[str, bool, str]]:
+        """Every invariant of design notes 3.2 as (name, holds, detail)."""
+        d2t, t2d = self.d2t.cpu(), self.t2d.cpu()
+        vd, v = d2t.numel(), t2d.numel()
+        out = [
+            (
+                "d2t is int64 [Vd]",
+                d2t.dtype == torch.int64 and d2t.dim() == 1,
+                f"{d2t.dtype} {tuple(d2t.shape)}",
+            ),
+            (
+                "t2d is bool [V]",
+                t2d.dtype == torch.bool and t2d.dim() == 1,
+                f"{t2d.dtype} {tuple(t2d.shape)}",
+            ),
+            ("1 <= Vd <= V", 1 <= vd <= v, f"Vd={vd}, V={v}"),
+        ]
+        if not all(ok for _, ok, _ in out):
+            return out
+        ids = torch.arange(vd) + d2t
+        out += [
+            ("d2t is non-decreasing", bool((d2t[1:] >= d2t[:-1]).all()), ""),
+            ("target ids i + d2t[i] lie in [0, V)", bool(((ids >= 0) & (ids < v)).all()),
+             f"range [{int(ids.min())}, {int(ids.max())}]"),
+            ("t2d.sum() == Vd", int(t2d.sum()) == vd, f"t2d.sum()={int(t2d.sum())}"),
+            ("nonzero(t2d) == arange(Vd) + d2t",
+             int(t2d.sum()) == vd and torch.equal(t2d.nonzero().flatten(), ids), ""),
+        ]  # fmt: skip
+        return out
+
+    def validate(self, source: str = "draft vocabulary") -> None:
+        failed = [
+            f"{name} ({detail})" if detail else name for name, ok, detail in self.checks() if not ok
+        ]
+        if failed:
+            raise UserError(f"{source}: invalid d2t/t2d: " + "; ".join(failed))
+
+    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Target ids of draft ids: `id + d2t[id]`."""
+        return draft_ids + self.d2t.to(draft_ids.device)[draft_ids]
+
+    def save(self, path: str | Path) -> None:
+        from safetensors.torch import save_file
+
+        self.validate(str(path))
+        with atomic_file(path) as tmp:
+            save_file({"d2t": self.d2t.contiguous(), "t2d": self.t2d.contiguous()}, str(tmp))
+
+    @classmethod
+    def load(cls, path: str | Path) -> DraftVocab:
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        if not path.is_file():
+            raise UserError(f"{path}: no such file")
+        try:
+            tensors = load_file(str(path))
+        except (SafetensorError, OSError) as err:
+            raise UserError(f"{path}: not a safetensors file ({err})") from err
+        missing = [k for k in ("d2t", "t2d") if k not in tensors]
+        if missing:
+            raise UserError(f"{path}: missing tensor(s) {missing}; a vocabulary has d2t and t2d")
+        vocab = cls(tensors["d2t"], tensors["t2d"])
+        vocab.validate(str(path))
+        return vocab
+
+
+def count_tokens(dataset: Any, vocab_size: int, batch_size: int = 1000) -> torch.Tensor:
+    """Counts [V] of target ids at `loss_mask == 1` over a prepared dataset."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for batch in dataset.iter(batch_size=batch_size):
+        ids = torch.cat([torch.as_tensor(x, dtype=torch.long) for x in batch["input_ids"]])
+        mask = torch.cat([torch.as_tensor(x, dtype=torch.bool) for x in batch["loss_mask"]])
+        ids = ids[mask]
+        if ids.numel() and (ids.min() < 0 or ids.max() >= vocab_size):
+            raise UserError(f"token id {int(ids.max())} outside the target vocab of {vocab_size}")
+        counts += torch.bincount(ids, minlength=vocab_size)
+    return counts
+
+
+def select_top(counts: torch.Tensor, draft_vocab_size: int) -> torch.Tensor:
+    """Top `Vd` ids by (count desc, id asc); zero-count ids come smallest first (the padding)."""
+    order = torch.sort(-counts, stable=True).indices  # stable: ties stay in id order
+    return order[:draft_vocab_size].sort().values
+
+
+def build_vocab(
+    dataset: Any, target_vocab_size: int, draft_vocab_size: int
+) -> tuple[DraftVocab, dict[str, Any]]:
+    if not 1 <= draft_vocab_size <= target_vocab_size:
+        raise UserError(
+            f"--size {draft_vocab_size}: the draft vocabulary size must be between 1 and the "
+            f"target vocabulary size {target_vocab_size}"
+        )
+    counts = count_tokens(dataset, target_vocab_size)
+    vocab = DraftVocab.from_selected(select_top(counts, draft_vocab_size), target_vocab_size)
+    total = int(counts.sum())
+    report = {
+        "coverage": float(counts[vocab.t2d].sum()) / total if total else 0.0,
+        "draft_vocab_size": draft_vocab_size,
+        "target_vocab_size": target_vocab_size,
+        "distinct_tokens": int((counts > 0).sum()),
+        "num_samples": len(dataset),
+        "num_tokens": total,
+    }
+    return vocab, report
