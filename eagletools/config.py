@@ -1,0 +1,245 @@
+"""Typed training recipes: YAML files plus dotted CLI overrides.
+
+A recipe is data: every field below has a type and a default, a YAML file
+sets some of them, and `section.key=value` overrides set more. A key that is
+not a field is an error naming the key and the file, so a typo never trains
+silently with a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from eagletools.errors import UserError
+
+
+@dataclass
+class TargetSection:
+    spec: str = "smollm2-135m"  # built-in name, HF folder, hub id or .gguf file
+    dtype: str = "bfloat16"
+    aux_layer_ids: list[int] | None = None  # HF indexing; None: [2, N//2, N-3]
+
+
+@dataclass
+class DataSection:
+    train: str = "sharegpt"  # dataset spec for `load_conversations`
+    num_samples: int | None = None  # conversations to load (None: all)
+    max_length: int = 2048
+    eval_samples: int = 64  # held-out conversations, split off with the seed
+    chat_template: str | None = None
+    hidden_states: str | None = None  # offline: a cache from `eagletools data hidden-states`
+
+
+@dataclass
+class VocabSection:
+    draft_vocab_size: int = 32000
+    path: str | None = None  # a saved DraftVocab; None: build it from the training data
+
+
+@dataclass
+class DraftSection:
+    norm_before_residual: bool = False
+    init_head_from_target: bool = True  # start norm/lm_head as the target's rows
+    init_from: str | None = None  # a draft checkpoint to continue from
+
+
+@dataclass
+class TrainingSection:
+    ttt_steps: int = 7
+    ttt_decay: float = 0.8
+    lr: float = 1e-4
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    weight_decay: float = 0.0
+    warmup_ratio: float = 0.015
+    min_lr_ratio: float = 0.0  # cosine decays to lr * min_lr_ratio
+    grad_clip: float = 0.5
+    batch_size: int = 1  # per process, per micro-batch
+    grad_accum: int = 1
+    num_epochs: float = 1.0
+    max_steps: int | None = None  # optimizer steps; overrides num_epochs
+    precision: str = "bf16"  # bf16 (autocast) | fp32
+    seed: int = 0
+    bucket_size: int = 64  # batches are drawn from length-sorted buckets of this many batches
+    eval_every: int = 200  # optimizer steps; 0: only at the end
+    save_every: int = 500  # optimizer steps; 0: only at the end
+    keep_last: int = 2
+    log_every: int = 10
+    max_bad_steps: int = 5  # stop after this many non-finite losses in a row
+    attn_chunk: int = 512  # query chunk of the TTT attention (memory vs speed)
+    num_threads: int | None = None  # torch CPU threads (None: torch's default)
+
+
+@dataclass
+class TrackingSection:
+    report_to: str = "none"  # none | wandb | tensorboard
+    project: str = "eagletools"
+    run_name: str | None = None
+
+
+@dataclass
+class TrainConfig:
+    target: TargetSection = field(default_factory=TargetSection)
+    data: DataSection = field(default_factory=DataSection)
+    vocab: VocabSection = field(default_factory=VocabSection)
+    draft: DraftSection = field(default_factory=DraftSection)
+    training: TrainingSection = field(default_factory=TrainingSection)
+    tracking: TrackingSection = field(default_factory=TrackingSection)
+
+    def validate(self, source: str = "recipe") -> None:
+        t = self.training
+        checks = [
+            (t.ttt_steps >= 1, "training.ttt_steps", "must be at least 1"),
+            (0 < t.ttt_decay <= 1, "training.ttt_decay", "must be in (0, 1]"),
+            (t.lr > 0, "training.lr", "must be positive"),
+            (len(t.betas) == 2, "training.betas", "must be two numbers, e.g. [0.9, 0.95]"),
+            (0 <= t.warmup_ratio < 1, "training.warmup_ratio", "must be in [0, 1)"),
+            (t.batch_size >= 1, "training.batch_size", "must be at least 1"),
+            (t.grad_accum >= 1, "training.grad_accum", "must be at least 1"),
+            (t.num_epochs > 0, "training.num_epochs", "must be positive"),
+            (t.max_steps is None or t.max_steps >= 1, "training.max_steps", "must be >= 1"),
+            (t.precision in ("bf16", "fp32"), "training.precision", "must be bf16 or fp32"),
+            (t.keep_last >= 1, "training.keep_last", "must be at least 1"),
+            (t.max_bad_steps >= 1, "training.max_bad_steps", "must be at least 1"),
+            (t.attn_chunk >= 1, "training.attn_chunk", "must be at least 1"),
+            (self.data.max_length >= 4, "data.max_length", "must be at least 4"),
+            (self.data.eval_samples >= 0, "data.eval_samples", "must be >= 0"),
+            (self.vocab.draft_vocab_size >= 1, "vocab.draft_vocab_size", "must be positive"),
+            (
+                self.tracking.report_to in ("none", "wandb", "tensorboard"),
+                "tracking.report_to",
+                "must be none, wandb or tensorboard",
+            ),
+        ]
+        for ok, key, why in checks:
+            if not ok:
+                raise UserError(f"{source}: {key} {why}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
+    """Check `value` against the annotation `tp` (ints widen to floats)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key, source)
+            except UserError:
+                pass
+        raise UserError(f"{source}: {key} must be {_type_name(tp)}, got {value!r}")
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise UserError(f"{source}: {key} must be a list, got {value!r}")
+        return [_coerce(v, item, f"{key}[{i}]", source) for i, v in enumerate(value)]
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is int and isinstance(value, bool) or not isinstance(value, tp):
+        raise UserError(f"{source}: {key} must be {_type_name(tp)}, got {value!r}")
+    return value
+
+
+def _apply(obj: Any, data: dict[str, Any], prefix: str, source: str) -> None:
+    hints = typing.get_type_hints(type(obj))
+    names = {f.name for f in dataclasses.fields(obj)}
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        if key not in names:
+            raise UserError(f"{source}: unknown key {dotted!r}; known: {sorted(names)}")
+        current = getattr(obj, key)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, dict):
+                raise UserError(f"{source}: {dotted} must be a mapping, got {value!r}")
+            _apply(current, value, f"{dotted}.", source)
+        else:
+            setattr(obj, key, _coerce(value, hints[key], dotted, source))
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    """['training.lr=2e-4', 'data.num_samples=100'] -> a nested dict (values parsed as YAML)."""
+    nested: dict[str, Any] = {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise UserError(f"override {item!r}: expected section.key=value, e.g. training.lr=2e-4")
+        value = _yaml_load(raw) if raw else None
+        node = nested
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise UserError(f"override {item!r}: {part} is set twice")
+        node[leaf] = value
+    return nested
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise UserError(f"{path}: cannot read recipe ({err.strerror})") from None
+    try:
+        data = _yaml_load(text)
+    except yaml.YAMLError as err:
+        raise UserError(f"{path}: not valid YAML: {err}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UserError(
+            f"{path}: a recipe must be a mapping of sections, got {type(data).__name__}"
+        )
+    return data
+
+
+def _yaml_load(text: str) -> Any:
+    """YAML with 1.2-style floats, so `lr: 2e-4` is a number."""
+    return yaml.load(text, Loader=_Loader)  # a SafeLoader subclass
+
+
+class _Loader(yaml.SafeLoader):
+    pass
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"^[-+]?(?:[0-9][0-9_]*)?(?:\.[0-9_]*)?(?:[eE][-+]?[0-9]+)$|^[-+]?[0-9][0-9_]*\.[0-9_]*$"
+    ),
+    list("-+0123456789."),
+)
+
+
+def load_config(
+    recipe: str | Path | None = None, overrides: list[str] | None = None
+) -> TrainConfig:
+    """A validated `TrainConfig` from a YAML recipe (optional) and dotted overrides."""
+    config = TrainConfig()
+    if recipe is not None:
+        path = Path(recipe)
+        _apply(config, _read_yaml(path), "", str(path))
+    if overrides:
+        _apply(config, parse_overrides(overrides), "", "command-line override")
+    config.validate(str(recipe) if recipe is not None else "recipe")
+    return config
+
+
+def dump_config(config: TrainConfig) -> str:
+    return yaml.safe_dump(config.to_dict(), sort_keys=False)

@@ -1,0 +1,1 @@
+"""Training: training-time test, trainer, checkpoints."""

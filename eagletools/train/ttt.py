@@ -1,0 +1,203 @@
+"""Training-time test (design notes 3.5): the K-step unroll, its loss and metrics.
+
+At step j the query at position t (embedding of token t+1+j, RoPE position
+t+j) attends causally over the step-0 keys and, at its own position only,
+over the keys of steps 1..j. The causal block is computed in query chunks
+under activation checkpointing and the diagonal as per-position dot products,
+both inside one softmax, so no [T, T*j] score tensor is ever kept alive:
+memory per step is linear in T.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+def _attend_chunk(
+    q: torch.Tensor,
+    k0: torch.Tensor,
+    v0: torch.Tensor,
+    dk: torch.Tensor | None,
+    dv: torch.Tensor | None,
+    start: int,
+    scale: float,
+) -> torch.Tensor:
+    """q [B,kv,g,C,hd] at positions start.., k0/v0 [B,kv,S,hd] (S = start+C),
+    dk/dv [B,kv,C,j,hd] -> [B,kv,g,C,hd]."""
+    c, s = q.shape[-2], k0.shape[-2]
+    scores = torch.matmul(q, k0.unsqueeze(2).transpose(-1, -2)) * scale  # [B,kv,g,C,S]
+    rows = torch.arange(start, start + c, device=q.device).unsqueeze(-1)
+    causal = torch.arange(s, device=q.device) <= rows
+    scores = scores.masked_fill(~causal, float("-inf"))
+    if dk is not None:
+        diag = torch.einsum("bkgcd,bkcjd->bkgcj", q, dk) * scale
+        scores = torch.cat([scores, diag], dim=-1)
+    probs = torch.softmax(scores.float(), dim=-1).to(v0.dtype)
+    out = torch.matmul(probs[..., :s], v0.unsqueeze(2))
+    if dv is not None:
+        out = out + torch.einsum("bkgcj,bkcjd->bkgcd", probs[..., s:], dv)
+    return out
+
+
+def ttt_attention(
+    q: torch.Tensor,
+    k0: torch.Tensor,
+    v0: torch.Tensor,
+    diag_k: list[torch.Tensor],
+    diag_v: list[torch.Tensor],
+    chunk: int = 512,
+) -> torch.Tensor:
+    """q [B,nh,T,hd]; k0, v0 and each diag_k/diag_v [B,nkv,T,hd] -> [B,nh,T,hd]."""
+    b, nh, t, hd = q.shape
+    nkv = k0.shape[1]
+    qg = q.view(b, nkv, nh // nkv, t, hd)
+    dk = torch.stack(diag_k, dim=3) if diag_k else None  # [B,kv,T,j,hd]
+    dv = torch.stack(diag_v, dim=3) if diag_v else None
+    outs = []
+    for start in range(0, t, chunk):
+        end = min(start + chunk, t)
+        args = (
+            qg[..., start:end, :],
+            k0[:, :, :end],
+            v0[:, :, :end],
+            None if dk is None else dk[:, :, start:end],
+            None if dv is None else dv[:, :, start:end],
+            start,
+            hd**-0.5,
+        )
+        if torch.is_grad_enabled():
+            outs.append(checkpoint(_attend_chunk, *args, use_reentrant=False))
+        else:
+            outs.append(_attend_chunk(*args))
+    return torch.cat(outs, dim=-2).reshape(b, nh, t, hd)
+
+
+def _shift(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x[:, n:] right-padded with zeros back to length T (dim 1)."""
+    if n == 0:
+        return x
+    pad = torch.zeros_like(x[:, :n])
+    return torch.cat([x[:, n:], pad], dim=1)
+
+
+@torch.no_grad()
+def teacher_targets(
+    last_hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    d2t: torch.Tensor,
+    chunk_tokens: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's distribution over the draft vocab and its full-vocab argmax.
+
+    last_hidden [B,T,Ht] (after the final norm), lm_head_weight [V,Ht], d2t [Vd]
+    -> (probs [B,T,Vd] fp32, renormalised over the draft vocab; argmax [B,T]).
+    Only the draft-vocab rows get softmaxed; the full product is formed chunk
+    by chunk just for the argmax, so no [T, V] tensor is kept.
+    """
+    rows = torch.arange(d2t.numel(), device=d2t.device) + d2t
+    flat = last_hidden.reshape(-1, last_hidden.shape[-1]).to(lm_head_weight.dtype)
+    probs = torch.softmax((flat @ lm_head_weight[rows].T).float(), dim=-1)
+    argmax = torch.cat([(part @ lm_head_weight.T).argmax(-1) for part in flat.split(chunk_tokens)])
+    b, t = last_hidden.shape[:2]
+    return probs.view(b, t, -1), argmax.view(b, t)
+
+
+@dataclass
+class StepStats:
+    """Per-step sums over masked positions; the caller reduces them across batches."""
+
+    loss_sum: torch.Tensor  # [K] soft cross-entropy summed over masked positions
+    correct: torch.Tensor  # [K] positions where the draft's argmax is the target's
+    count: torch.Tensor  # [K] masked positions
+
+
+def step_counts(loss_mask: torch.Tensor, steps: int) -> torch.Tensor:
+    """Masked positions per step [K]: step j predicts the token at t+2+j."""
+    return torch.stack([_shift(loss_mask, 2 + j).sum() for j in range(steps)]).float()
+
+
+class TTTModel(nn.Module):
+    """Wraps a draft so that DDP/FSDP see the whole unroll as one `forward`."""
+
+    def __init__(self, draft: nn.Module, steps: int = 7, decay: float = 0.8, chunk: int = 512):
+        super().__init__()
+        self.draft, self.steps, self.decay, self.chunk = draft, steps, decay, chunk
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        aux: torch.Tensor,
+        loss_mask: torch.Tensor,
+        teacher_probs: torch.Tensor,
+        target_argmax: torch.Tensor,
+        norm: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, StepStats]:
+        """Right-padded batch [B,T] -> (loss, stats).
+
+        loss = sum_j decay^j * loss_sum_j / norm_j; `norm` [K] defaults to the
+        local masked counts. The trainer passes global counts (over ranks and
+        accumulation steps) so any split of a batch gives the same gradient.
+        """
+        draft = self.draft
+        b, t = input_ids.shape
+        hidden = draft.fuse_aux(aux.to(draft.fc.weight.dtype))
+        positions = torch.arange(t, device=input_ids.device)
+        t2d = draft.t2d
+        k0 = v0 = None
+        diag_k: list[torch.Tensor] = []
+        diag_v: list[torch.Tensor] = []
+        loss = hidden.new_zeros((), dtype=torch.float32)
+        sums, correct, count = [], [], []
+        for j in range(self.steps):
+            ids = _shift(input_ids, 1 + j)
+            embeds = draft.embed_tokens(ids).to(hidden.dtype)
+            cos, sin = draft.rope(positions + j, hidden.dtype)
+            q, k, v, residual = draft.midlayer.qkv(embeds, hidden, cos, sin)
+            if j == 0:
+                k0, v0 = k, v
+            else:
+                diag_k.append(k)
+                diag_v.append(v)
+            out = ttt_attention(q, k0, v0, diag_k, diag_v, self.chunk)
+            hidden = draft.midlayer.finish(out, residual)
+
+            probs = _shift(teacher_probs, 1 + j)
+            argmax = _shift(target_argmax, 1 + j)
+            mask = _shift(loss_mask, 2 + j).float()
+            logp = torch.log_softmax(draft.logits(hidden).float(), dim=-1)
+            ce = -(probs * logp).sum(-1)
+            loss_sum = (ce * mask * t2d[argmax]).sum()
+            n = mask.sum()
+            denom = (norm[j] if norm is not None else n).clamp(min=1.0)
+            loss = loss + self.decay**j * loss_sum / denom
+            with torch.no_grad():
+                hit = draft.to_target_ids(logp.argmax(-1)) == argmax
+                sums.append(loss_sum.detach())
+                correct.append((hit.float() * mask).sum())
+                count.append(n)
+        return loss, StepStats(torch.stack(sums), torch.stack(correct), torch.stack(count))
+
+
+def simulated_acceptance_length(acc: list[float]) -> float:
+    """1 + sum_j prod_{i<=j} acc_i: the expected accepted length of a chain draft."""
+    total, run = 1.0, 1.0
+    for a in acc:
+        run *= a
+        total += run
+    return total
+
+
+def summarize(stats: StepStats, decay: float) -> dict[str, float]:
+    """Reduced sums -> loss, per-step ploss_j / acc_j and the acceptance length."""
+    count = stats.count.clamp(min=1.0)
+    ploss = (stats.loss_sum / count).tolist()
+    acc = (stats.correct / count).tolist()
+    out = {"loss": sum(decay**j * p for j, p in enumerate(ploss))}
+    out.update({f"ploss_{j}": p for j, p in enumerate(ploss)})
+    out.update({f"acc_{j}": a for j, a in enumerate(acc)})
+    out["simulated_acceptance_length"] = simulated_acceptance_length(acc)
+    return out

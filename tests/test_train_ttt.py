@@ -1,0 +1,212 @@
+"""Training-time test: the chunked attention against a dense reference, the
+loss against a step-by-step dense unroll, memory, teacher and metrics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from eagletools.draft import DraftConfig, Eagle3Draft
+from eagletools.train.ttt import (
+    TTTModel,
+    simulated_acceptance_length,
+    step_counts,
+    summarize,
+    teacher_targets,
+    ttt_attention,
+)
+
+
+def dense_attention(q, k0, v0, diag_k, diag_v):
+    """Keys [step0 | step1 | ... | stepj] with a causal block and j diagonals."""
+    t = q.shape[2]
+    keys = torch.cat([k0, *diag_k], dim=2)
+    values = torch.cat([v0, *diag_v], dim=2)
+    eye = torch.eye(t, dtype=torch.bool)
+    mask = torch.cat([torch.ones(t, t, dtype=torch.bool).tril(), *[eye] * len(diag_k)], dim=1)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+
+
+@pytest.mark.parametrize("chunk", [3, 8, 64])
+@pytest.mark.parametrize("j", [0, 1, 3])
+def test_ttt_attention_matches_dense_mask(chunk, j):
+    torch.manual_seed(0)
+    b, nh, nkv, t, hd = 2, 4, 2, 13, 8
+    q = torch.randn(b, nh, t, hd, requires_grad=True)
+    ks = [torch.randn(b, nkv, t, hd, requires_grad=True) for _ in range(j + 1)]
+    vs = [torch.randn(b, nkv, t, hd, requires_grad=True) for _ in range(j + 1)]
+    out = ttt_attention(q, ks[0], vs[0], ks[1:], vs[1:], chunk=chunk)
+    ref = dense_attention(q, ks[0], vs[0], ks[1:], vs[1:])
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, [q, *ks, *vs], grad)
+    want = torch.autograd.grad(ref, [q, *ks, *vs], grad)
+    for a, b_ in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b_, atol=1e-5, rtol=1e-5)
+
+
+def tiny_draft(vocab=64, draft_vocab=32, seed=0) -> Eagle3Draft:
+    torch.manual_seed(seed)
+    config = DraftConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=vocab,
+        draft_vocab_size=draft_vocab,
+        target_hidden_size=24,
+        max_position_embeddings=512,
+    )
+    draft = Eagle3Draft(config)
+    selected = torch.randperm(vocab)[:draft_vocab].sort().values
+    with torch.no_grad():
+        draft.d2t.copy_(selected - torch.arange(draft_vocab))
+        draft.t2d.zero_()
+        draft.t2d[selected] = True
+        draft.embed_tokens.weight.normal_()
+    return draft
+
+
+def dense_unroll(draft, input_ids, aux, loss_mask, probs, argmax, steps, decay):
+    """Step-by-step reference: explicit shifted copies and a dense mask."""
+    b, t = input_ids.shape
+    hidden = draft.fuse_aux(aux)
+    ks, vs, loss = [], [], 0.0
+    for j in range(steps):
+        ids = torch.zeros_like(input_ids)
+        ids[:, : t - 1 - j] = input_ids[:, 1 + j :]
+        cos, sin = draft.rope(torch.arange(t) + j, hidden.dtype)
+        q, k, v, res = draft.midlayer.qkv(draft.embed_tokens(ids), hidden, cos, sin)
+        ks.append(k)
+        vs.append(v)
+        hidden = draft.midlayer.finish(dense_attention(q, ks[0], vs[0], ks[1:], vs[1:]), res)
+        logp = torch.log_softmax(draft.logits(hidden), -1)
+        terms = []
+        for bi in range(b):
+            for pos in range(t):
+                src = pos + 1 + j
+                if pos + 2 + j >= t or not loss_mask[bi, pos + 2 + j]:
+                    continue
+                if not draft.t2d[argmax[bi, src]]:
+                    terms.append(torch.zeros(()))
+                    continue
+                terms.append(-(probs[bi, src] * logp[bi, pos]).sum())
+        count = max(len(terms), 1)
+        loss = loss + decay**j * torch.stack(terms).sum() / count
+    return loss
+
+
+def batch(draft, b=2, t=12, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    vocab = draft.config.vocab_size
+    input_ids = torch.randint(0, vocab, (b, t), generator=g)
+    aux = torch.randn(b, t, 3 * draft.config.target_hidden_size, generator=g)
+    loss_mask = (torch.rand(b, t, generator=g) > 0.3).long()
+    if b > 1:
+        loss_mask[1, 9:] = 0  # a padded tail
+    last_hidden = torch.randn(b, t, draft.config.target_hidden_size, generator=g)
+    lm_head = torch.randn(vocab, draft.config.target_hidden_size, generator=g)
+    probs, argmax = teacher_targets(last_hidden, lm_head, draft.d2t)
+    return input_ids, aux, loss_mask, probs, argmax
+
+
+def test_unroll_matches_dense_reference():
+    draft = tiny_draft()
+    inputs = batch(draft)
+    model = TTTModel(draft, steps=4, decay=0.8, chunk=5)
+    loss, stats = model(*inputs)
+    ref = dense_unroll(draft, *inputs, steps=4, decay=0.8)
+    torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)
+    grads = torch.autograd.grad(loss, list(draft.fc.parameters()) + [draft.lm_head.weight])
+    refs = torch.autograd.grad(ref, list(draft.fc.parameters()) + [draft.lm_head.weight])
+    for a, b_ in zip(grads, refs, strict=True):
+        torch.testing.assert_close(a, b_, atol=1e-5, rtol=1e-4)
+    assert stats.count.tolist() == step_counts(inputs[2], 4).tolist()
+    assert stats.count[0] > stats.count[-1] > 0
+
+
+def test_global_norm_splits_exactly():
+    """Two half-batches with the joint count as norm sum to the whole batch's loss."""
+    draft = tiny_draft()
+    inputs = batch(draft)
+    model = TTTModel(draft, steps=3, chunk=4)
+    whole, _ = model(*inputs)
+    norm = step_counts(inputs[2], 3)
+    halves = sum(model(*(x[i : i + 1] for x in inputs), norm=norm)[0] for i in range(2))
+    torch.testing.assert_close(halves, whole, atol=1e-6, rtol=1e-6)
+
+
+def saved_numel(draft, t: int) -> int:
+    """Elements kept alive for backward by one unroll at length t."""
+    model = TTTModel(draft, steps=3, chunk=32)
+    sizes = []
+
+    def pack(x):
+        sizes.append(x.numel())
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        loss, _ = model(*batch(draft, b=1, t=t))
+    loss.backward()
+    return sum(sizes)
+
+
+def test_memory_linear_in_length():
+    """A dense [T, T*j] score per step would make this ratio ~2.9, not 2."""
+    draft = tiny_draft()
+    ratio = saved_numel(draft, 384) / saved_numel(draft, 192)
+    assert ratio < 2.2, ratio
+
+
+def test_teacher_targets_restricted_and_full_argmax():
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 5, 8)
+    weight = torch.randn(20, 8)
+    d2t = torch.tensor([0, 0, 2, 5])  # ids 0, 1, 4, 8
+    probs, argmax = teacher_targets(hidden, weight, d2t, chunk_tokens=3)
+    logits = hidden @ weight.T
+    torch.testing.assert_close(probs, torch.softmax(logits[..., [0, 1, 4, 8]], -1))
+    assert torch.equal(argmax, logits.argmax(-1))
+
+
+def test_simulated_acceptance_and_summary():
+    assert simulated_acceptance_length([0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25)
+    assert simulated_acceptance_length([1.0] * 3) == 4.0
+    from eagletools.train.ttt import StepStats
+
+    stats = StepStats(torch.tensor([2.0, 3.0]), torch.tensor([1.0, 2.0]), torch.tensor([2.0, 4.0]))
+    out = summarize(stats, decay=0.5)
+    assert out["acc_0"] == 0.5 and out["acc_1"] == 0.5
+    assert out["loss"] == pytest.approx(1.0 + 0.5 * 0.75)
+    assert out["simulated_acceptance_length"] == pytest.approx(1.75)
+
+
+def test_perfect_teacher_gives_full_acceptance():
+    """If the draft's head reproduces the teacher exactly, acc_j must be 1."""
+    draft = tiny_draft(vocab=32, draft_vocab=32)
+    with torch.no_grad():
+        draft.d2t.zero_()
+        draft.t2d.fill_(True)
+    input_ids, aux, loss_mask, _, _ = batch(draft)
+    with torch.no_grad():
+        model = TTTModel(draft, steps=3)
+        # teacher = the draft's own argmax at each step: run once to read them
+        logits = []
+        orig = draft.logits
+
+        def spy(h):
+            out = orig(h)
+            logits.append(out)
+            return out
+
+        draft.logits = spy
+        uniform = torch.full((*input_ids.shape, 32), 1 / 32)
+        model(input_ids, aux, loss_mask, uniform, torch.zeros_like(input_ids))
+    # step 0's argmax at position t is the teacher at t+1
+    argmax = torch.zeros_like(input_ids)
+    argmax[:, 1:] = logits[0].argmax(-1)[:, :-1]
+    with torch.no_grad():
+        _, stats = model(input_ids, aux, loss_mask, uniform, argmax)
+    assert stats.correct[0] == stats.count[0] > 0
