@@ -12,12 +12,22 @@ from collections.abc import Callable
 
 import torch
 
+try:
+    import triton.language as tl  # the kernel modules' `tl`
+except ImportError:  # no Triton wheels outside Linux: the references still work
+    tl = None
+
 
 def use_triton(*tensors: torch.Tensor) -> bool:
     """Whether the Triton kernel should run on these inputs."""
     if os.environ.get("EAGLETOOLS_KERNELS", "") == "reference":
         return False
     return all(t.is_cuda for t in tensors)
+
+
+def next_pow2(x: int, floor: int = 1) -> int:
+    """Smallest power of two >= max(x, floor): Triton block sizes."""
+    return max(floor, 1 << (max(x, 1) - 1).bit_length())
 
 
 def lazy_jit(fn: Callable) -> Callable[[], Callable]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from eagletools.kernels.dispatch import lazy_jit, next_pow2, tl, use_triton
+
 
 def verify_greedy_reference(
     tokens: torch.Tensor, parents: torch.Tensor, target_argmax: torch.Tensor
@@ -47,4 +49,58 @@ def verify_greedy(
     tokens: torch.Tensor, parents: torch.Tensor, target_argmax: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`verify_greedy_reference`, as one Triton launch on CUDA."""
+    if use_triton(tokens, parents, target_argmax):
+        return verify_greedy_triton(tokens, parents, target_argmax)
     return verify_greedy_reference(tokens, parents, target_argmax)
+
+
+def _verify_greedy_kernel(
+    TOK, PAR, AM, PATH, LEN, BONUS, n, s_tok, s_par, s_am, s_path, BLOCK_N: tl.constexpr
+):
+    # One program per tree; the walk is sequential but each step is one vector op.
+    b = tl.program_id(0)
+    j = tl.arange(0, BLOCK_N)
+    valid = j < n
+    tok = tl.load(TOK + b * s_tok + j, mask=valid, other=-1)
+    par = tl.load(PAR + b * s_par + j, mask=valid, other=-2)
+    cur = tl.program_id(0).to(tl.int64) * 0
+    length = cur
+    path = tl.where(j == 0, 0, -1).to(tl.int64)
+    for _ in range(1, n):
+        want = tl.load(AM + b * s_am + cur)
+        hit = (par == cur) & (tok == want)
+        nxt = tl.min(tl.where(hit, j, BLOCK_N)).to(tl.int64)
+        # once a step finds no child, none after it can (cur stays put)
+        found = nxt < BLOCK_N
+        length += found.to(tl.int64)
+        path = tl.where(j == length, tl.where(found, nxt, path), path)
+        cur = tl.where(found, nxt, cur)
+    tl.store(PATH + b * s_path + j, path, mask=valid)
+    tl.store(LEN + b, length)
+    tl.store(BONUS + b, tl.load(AM + b * s_am + cur))
+
+
+_verify_greedy_jit = lazy_jit(_verify_greedy_kernel)
+
+
+def verify_greedy_triton(
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    target_argmax: torch.Tensor,
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The Triton kernel; `out` = preallocated `(path, accept_len, bonus)` (CUDA graphs)."""
+    b, n = tokens.shape
+    if out is None:
+        out = (
+            torch.empty(b, n, dtype=torch.long, device=tokens.device),
+            torch.empty(b, dtype=torch.long, device=tokens.device),
+            torch.empty(b, dtype=torch.long, device=tokens.device),
+        )
+    path, accept_len, bonus = out
+    _verify_greedy_jit()[(b,)](
+        tokens, parents, target_argmax, path, accept_len, bonus, n,
+        tokens.stride(0), parents.stride(0), target_argmax.stride(0), path.stride(0),
+        BLOCK_N=next_pow2(n),
+    )  # fmt: skip
+    return out

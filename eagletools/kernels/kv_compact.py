@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from eagletools.kernels.dispatch import lazy_jit, next_pow2, tl, use_triton
+
 
 def compact_kv_reference(
     k_cache: torch.Tensor, v_cache: torch.Tensor, src_slots: torch.Tensor, dst_start: int
@@ -31,4 +33,41 @@ def compact_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, src_slots: torch.Tensor, dst_start: int
 ) -> None:
     """`compact_kv_reference`, as one Triton launch on CUDA."""
-    compact_kv_reference(k_cache, v_cache, src_slots, dst_start)
+    if use_triton(k_cache, v_cache, src_slots):
+        compact_kv_triton(k_cache, v_cache, src_slots, dst_start)
+    else:
+        compact_kv_reference(k_cache, v_cache, src_slots, dst_start)
+
+
+def _compact_kv_kernel(
+    K, V, SRC, n, dst_start,
+    s_kb, s_kh, s_ks, s_kd, s_vb, s_vh, s_vs, s_vd, s_src,
+    D, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    # One program per (batch, kv head), copying in order of i: a source is never
+    # a destination written earlier, since src_slots[i] >= dst_start + i.
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    d = tl.arange(0, BLOCK_D)
+    k_row = K + b * s_kb + h * s_kh + d * s_kd
+    v_row = V + b * s_vb + h * s_vh + d * s_vd
+    for i in range(n):
+        src = tl.load(SRC + b * s_src + i)
+        m = d < tl.where(src >= 0, D, 0)  # a negative slot copies nothing
+        dst = dst_start + i
+        tl.store(k_row + dst * s_ks, tl.load(k_row + src * s_ks, mask=m), mask=m)
+        tl.store(v_row + dst * s_vs, tl.load(v_row + src * s_vs, mask=m), mask=m)
+
+
+_compact_kv_jit = lazy_jit(_compact_kv_kernel)
+
+
+def compact_kv_triton(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, src_slots: torch.Tensor, dst_start: int
+) -> None:
+    b, h, _, d = k_cache.shape
+    _compact_kv_jit()[(b, h)](
+        k_cache, v_cache, src_slots, src_slots.shape[1], dst_start,
+        *k_cache.stride(), *v_cache.stride(), src_slots.stride(0),
+        d, BLOCK_D=next_pow2(d),
+    )  # fmt: skip
