@@ -121,7 +121,7 @@ class DraftVocab:
             save_file({"d2t": self.d2t.contiguous(), "t2d": self.t2d.contiguous()}, str(tmp))
 
     @classmethod
-    def load(cls, path: str | Path) -> DraftVocab:
+    def load(cls, path: str | Path, validate: bool = True) -> DraftVocab:
         from safetensors import SafetensorError
         from safetensors.torch import load_file
 
@@ -136,7 +136,8 @@ class DraftVocab:
         if missing:
             raise UserError(f"{path}: missing tensor(s) {missing}; a vocabulary has d2t and t2d")
         vocab = cls(tensors["d2t"], tensors["t2d"])
-        vocab.validate(str(path))
+        if validate:
+            vocab.validate(str(path))
         return vocab
 
 
@@ -178,4 +179,30 @@ def build_vocab(
         "num_samples": len(dataset),
         "num_tokens": total,
     }
+    return vocab, report
+
+
+def build_vocab_cached(
+    prepared: Any, target_vocab_size: int, draft_vocab_size: int
+) -> tuple[DraftVocab, dict[str, Any]]:
+    """`build_vocab` over a `data.prepare` result, cached by (prepared key, V, Vd).
+
+    The prepared key already covers the data identity, tokenizer, max length
+    and sample count.
+    """
+    import json
+
+    from eagletools.assets import cache_dir
+    from eagletools.atomic import write_text
+    from eagletools.data.prepare import cache_key
+
+    key = cache_key(prepared=prepared.key, vocab_size=target_vocab_size, size=draft_vocab_size)
+    folder = cache_dir() / "vocab" / key
+    if (folder / "report.json").is_file():  # written last, so the vocab is whole
+        return DraftVocab.load(folder / "vocab.safetensors"), json.loads(
+            (folder / "report.json").read_text()
+        )
+    vocab, report = build_vocab(prepared.dataset, target_vocab_size, draft_vocab_size)
+    vocab.save(folder / "vocab.safetensors")
+    write_text(folder / "report.json", json.dumps(report, indent=2))
     return vocab, report

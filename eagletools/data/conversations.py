@@ -75,6 +75,17 @@ class LoadReport:
             "notes": list(self.notes),
         }
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> LoadReport:
+        return cls(
+            d["source"],
+            d["read"],
+            d["kept"],
+            Counter(d["dropped"]),
+            Counter(d["repaired"]),
+            d["notes"],
+        )
+
 
 class BadRecord(Exception):
     """A record that cannot be used; its message is the reason counted."""

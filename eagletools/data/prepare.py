@@ -25,7 +25,7 @@ from eagletools.data.chat import (
     read_chat_template,
     tokenize_conversation,
 )
-from eagletools.data.conversations import Message, data_path, load_conversations
+from eagletools.data.conversations import LoadReport, Message, data_path, load_conversations
 from eagletools.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -73,6 +73,17 @@ class Prepared:
     path: Path
     key: str
 
+    def summary(self) -> str:
+        r = self.report
+        lines = [LoadReport.from_dict(r["load"]).summary()]
+        for reason, n in r["dropped_after_tokenising"].items():
+            lines.append(f"  dropped after tokenising: {reason}: {n}")
+        lines.append(
+            f"prepared {r['num_samples']} samples, {r['num_tokens']} tokens "
+            f"({r['num_loss_tokens']} in replies), max length {r['max_length']}: {self.path}"
+        )
+        return "\n".join(lines)
+
 
 def _tokenize_fn(tokenizer: Any, max_length: int, chat_template: str | None):
     def fn(row: dict) -> dict:
@@ -99,7 +110,7 @@ def _build(
     import datasets
 
     conversations, load_report = load_conversations(data_spec, num_samples)
-    log.info(load_report.summary())
+    log.debug(load_report.summary())
     rows = {
         "messages": [[{"role": m.role, "content": m.content} for m in c] for c in conversations]
     }

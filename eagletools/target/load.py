@@ -133,6 +133,13 @@ def load_tokenizer(spec: str | Path) -> Any:
     return _load(AutoTokenizer, str(spec), "tokenizer")
 
 
+def load_config(spec: str | Path) -> Any:
+    """The target's model config alone (no weights)."""
+    from transformers import AutoConfig
+
+    return _load(AutoConfig, str(spec), "config")
+
+
 def load_target(
     spec: str | Path, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu"
 ) -> Target:
