@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from eagletools.kernels.dispatch import interpreting, lazy_jit, next_pow2, tl, use_triton
+
 
 def tree_attention_reference(
     q: torch.Tensor,
@@ -46,4 +48,106 @@ def tree_attention(
     scale: float,
 ) -> torch.Tensor:
     """`tree_attention_reference`, as one Triton launch on CUDA."""
+    if use_triton(q, k_cache, v_cache, tree_mask):
+        return tree_attention_triton(q, k_cache, v_cache, prefix_len, tree_mask, scale)
     return tree_attention_reference(q, k_cache, v_cache, prefix_len, tree_mask, scale)
+
+
+def _tree_attention_kernel(
+    Q, K, V, MASK, OUT, prefix_len, n, scale_log2e,
+    s_qb, s_qh, s_qn, s_qd, s_kb, s_kh, s_ks, s_kd,
+    s_vb, s_vh, s_vs, s_vd, s_ob, s_oh, s_on, s_od, s_mq, s_mk,
+    H_KV, GROUP: tl.constexpr, D, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+):  # fmt: skip
+    # Flash attention with the GQA group's query heads stacked as rows
+    # (row r = head offset r // n, node r % n), so each K/V block is read once
+    # per group; online softmax in fp32, exp2 with the scale folded in.
+    pid_m = tl.program_id(0)
+    b = tl.program_id(1) // H_KV
+    hk = tl.program_id(1) % H_KV
+    r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    node = r % n
+    head = hk * GROUP + r // n
+    row_ok = r < GROUP * n
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    q_ptr = Q + b * s_qb + head[:, None] * s_qh + node[:, None] * s_qn + d[None, :] * s_qd
+    q = tl.load(q_ptr, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+    k_base = K + b * s_kb + hk * s_kh
+    v_base = V + b * s_vb + hk * s_vh
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    end = prefix_len + n
+    for start in range(0, end, BLOCK_N):
+        c = start + tl.arange(0, BLOCK_N)
+        c_ok = c < end
+        k = tl.load(
+            k_base + c[None, :] * s_ks + d[:, None] * s_kd,
+            mask=c_ok[None, :] & d_ok[:, None],
+            other=0.0,
+        )
+        if DOT_F32:
+            k = k.to(tl.float32)
+        s = tl.dot(q, k, input_precision=PRECISION) * scale_log2e
+        t = c - prefix_len  # index of the key in the tree, < 0 in the prefix
+        in_tree = (t >= 0) & c_ok
+        tree_ok = tl.load(
+            MASK + node[:, None] * s_mq + t[None, :] * s_mk,
+            mask=row_ok[:, None] & in_tree[None, :],
+            other=0,
+        )
+        visible = ((t < 0)[None, :] | (tree_ok != 0)) & c_ok[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see nothing yet
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_base + c[:, None] * s_vs + d[None, :] * s_vd,
+            mask=c_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        p = p.to(V.dtype.element_ty)
+        if DOT_F32:
+            p, v = p.to(tl.float32), v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    o_ptr = OUT + b * s_ob + head[:, None] * s_oh + node[:, None] * s_on + d[None, :] * s_od
+    tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+_tree_attention_jit = lazy_jit(_tree_attention_kernel)
+
+
+def tree_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    prefix_len: int,
+    tree_mask: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The Triton kernel; `out` = a preallocated `[B,Hq,N,D]` output (CUDA graphs)."""
+    b, hq, n, d = q.shape
+    h_kv = k_cache.shape[1]
+    group = hq // h_kv
+    if out is None:
+        out = torch.empty_like(q)
+    mask = tree_mask.view(torch.uint8) if tree_mask.dtype == torch.bool else tree_mask
+    block_m = min(64, next_pow2(group * n, floor=16))
+    grid = (-(-group * n // block_m), b * h_kv)
+    _tree_attention_jit()[grid](
+        q, k_cache, v_cache, mask, out, prefix_len, n, scale * 1.4426950408889634,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), *mask.stride(),
+        h_kv, group, d, BLOCK_M=block_m, BLOCK_N=64, BLOCK_D=next_pow2(d, floor=16),
+        PRECISION="ieee" if q.dtype == torch.float32 or interpreting() else "tf32",
+        DOT_F32=interpreting(),
+    )  # fmt: skip
+    return out

@@ -25,6 +25,15 @@ def use_triton(*tensors: torch.Tensor) -> bool:
     return all(t.is_cuda for t in tensors)
 
 
+def interpreting() -> bool:
+    """Whether Triton runs in its CPU interpreter (`TRITON_INTERPRET=1`).
+
+    Its `tl.dot` multiplies bf16 operands as their raw bits (triton 3.9), so
+    kernels upcast dot operands there, after rounding them as the GPU would.
+    """
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 def next_pow2(x: int, floor: int = 1) -> int:
     """Smallest power of two >= max(x, floor): Triton block sizes."""
     return max(floor, 1 << (max(x, 1) - 1).bit_length())
