@@ -1,0 +1,123 @@
+"""Training samples, length-bucketed batches and the target features per batch.
+
+The batch plan of an epoch is a pure function of (seed, epoch, lengths,
+batch size, world size), so a resumed run skips to the exact global batch it
+stopped at, and a run on W processes sees the same global batches as a run
+on one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from eagletools.errors import UserError
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # [B,T] right-padded
+    loss_mask: torch.Tensor  # [B,T]
+    attention_mask: torch.Tensor  # [B,T]
+    aux: torch.Tensor | None = None  # [B,T,A*Ht] offline only
+    last_hidden: torch.Tensor | None = None  # [B,T,Ht] offline only
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.attention_mask.sum())
+
+
+class SampleSource(Protocol):
+    """What the trainer needs from online (token lists) or offline (cache) data."""
+
+    def __len__(self) -> int: ...
+    def length(self, index: int) -> int: ...
+    def loss_mask(self, index: int) -> torch.Tensor: ...
+    def batch(self, indices: list[int]) -> Batch: ...
+
+
+def pad_right(rows: list[torch.Tensor], length: int, value: float = 0) -> torch.Tensor:
+    out = rows[0].new_full((len(rows), length, *rows[0].shape[1:]), value)
+    for i, row in enumerate(rows):
+        out[i, : row.shape[0]] = row
+    return out
+
+
+class TokenSamples:
+    """Tokenised samples (a prepared dataset) for online training."""
+
+    def __init__(self, dataset: Any):
+        self.ids = [torch.as_tensor(x, dtype=torch.long) for x in dataset["input_ids"]]
+        self.masks = [torch.as_tensor(x, dtype=torch.long) for x in dataset["loss_mask"]]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def length(self, index: int) -> int:
+        return self.ids[index].numel()
+
+    def loss_mask(self, index: int) -> torch.Tensor:
+        return self.masks[index]
+
+    def batch(self, indices: list[int]) -> Batch:
+        t = max(self.length(i) for i in indices)
+        ids = pad_right([self.ids[i] for i in indices], t)
+        attention = pad_right([torch.ones_like(self.ids[i]) for i in indices], t)
+        return Batch(ids, pad_right([self.masks[i] for i in indices], t), attention)
+
+
+def trainable(source: SampleSource, indices: list[int]) -> tuple[list[int], int]:
+    """Indices with at least one position to learn (a masked token at t >= 2), and
+    how many were skipped because every token is masked out of the loss."""
+    keep = [i for i in indices if bool(source.loss_mask(i)[2:].any())]
+    return keep, len(indices) - len(keep)
+
+
+def split_indices(n: int, eval_samples: int, seed: int) -> tuple[list[int], list[int]]:
+    """(train, held-out) indices: a seeded permutation, the first `eval_samples` held out."""
+    if eval_samples >= n:
+        raise UserError(
+            f"data.eval_samples={eval_samples} leaves no training samples out of {n}; "
+            "lower data.eval_samples or add data"
+        )
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    return sorted(order[eval_samples:]), sorted(order[:eval_samples])
+
+
+def plan_epoch(
+    lengths: list[int], global_batch: int, seed: int, epoch: int, bucket_size: int
+) -> list[list[int]]:
+    """Global batches (lists of positions into `lengths`) for one epoch.
+
+    Shuffle, cut into buckets of `bucket_size` global batches, sort each bucket
+    by length so a batch pads little, then shuffle the batch order. The last
+    incomplete global batch is dropped so every step has the same sample count.
+    """
+    g = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    order = torch.randperm(len(lengths), generator=g).tolist()
+    span = global_batch * bucket_size
+    batches = []
+    for start in range(0, len(order), span):
+        bucket = sorted(order[start : start + span], key=lambda i: -lengths[i])
+        batches += [bucket[i : i + global_batch] for i in range(0, len(bucket), global_batch)]
+    batches = [b for b in batches if len(b) == global_batch]
+    perm = torch.randperm(len(batches), generator=g).tolist()
+    return [batches[i] for i in perm]
+
+
+def steps_per_epoch(num_samples: int, global_batch: int, grad_accum: int) -> int:
+    return (num_samples // global_batch) // grad_accum
+
+
+def total_steps(num_samples: int, global_batch: int, grad_accum: int, epochs: float) -> int:
+    per_epoch = steps_per_epoch(num_samples, global_batch, grad_accum)
+    if per_epoch == 0:
+        raise UserError(
+            f"{num_samples} training samples do not fill one optimizer step of "
+            f"{global_batch * grad_accum} samples (batch_size x processes x grad_accum); "
+            "lower training.batch_size or training.grad_accum, or add data"
+        )
+    return max(1, math.ceil(per_epoch * epochs))

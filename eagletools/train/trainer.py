@@ -1,0 +1,467 @@
+"""The training loop: one process on CPU, DDP/FSDP on GPUs, through accelerate.
+
+Online, the target runs in the loop (no grad) and yields the aux states and
+last hidden state per batch; offline, both come memory-mapped from a
+hidden-state cache. Either way the teacher is the target's `lm_head` over
+the draft-vocab rows only, and the loss is the training-time-test unroll.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagletools.atomic import atomic_file, write_text
+from eagletools.config import TrainConfig, dump_config
+from eagletools.errors import UserError
+from eagletools.train import checkpoint as ckpt
+from eagletools.train.data import (
+    SampleSource,
+    TokenSamples,
+    plan_epoch,
+    split_indices,
+    steps_per_epoch,
+    total_steps,
+    trainable,
+)
+from eagletools.train.ttt import StepStats, TTTModel, step_counts, summarize, teacher_targets
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainInputs:
+    """Where samples, aux states and the teacher come from."""
+
+    source: SampleSource
+    head_model: torch.nn.Module  # a target (or a skeleton of one) to size the draft from
+    lm_head_weight: torch.Tensor  # [V, Ht]
+    aux_layer_ids: list[int]
+    target_model: torch.nn.Module | None  # online: runs per batch; offline: None
+    identity: dict[str, Any]
+
+
+def warmup_cosine(warmup: int, total: int, min_ratio: float):
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def online_inputs(config: TrainConfig, target: Any = None, dataset: Any = None) -> TrainInputs:
+    """The target in the loop; samples from the prepared (tokenised) dataset."""
+    from eagletools.data import prepare_dataset
+    from eagletools.target import default_aux_layer_ids, load_target
+
+    if target is None:
+        dtype = getattr(torch, config.target.dtype)
+        target = load_target(config.target.spec, dtype=dtype)
+    if dataset is None:
+        d = config.data
+        dataset = prepare_dataset(
+            config.target.spec, d.train, d.max_length, d.num_samples,
+            chat_template=d.chat_template, tokenizer=target.tokenizer,
+        )  # fmt: skip
+    model = target.model
+    layer_ids = config.target.aux_layer_ids or default_aux_layer_ids(target.info.num_layers)
+    return TrainInputs(
+        source=TokenSamples(dataset),
+        head_model=model,
+        lm_head_weight=model.get_output_embeddings().weight.detach(),
+        aux_layer_ids=list(layer_ids),
+        target_model=model,
+        identity={"target": target.info.name_or_path, "mode": "online"},
+    )
+
+
+def offline_inputs(config: TrainConfig) -> TrainInputs:
+    from eagletools.data.hidden_states import HiddenStateCache
+
+    cache = HiddenStateCache.open(config.data.hidden_states)
+    if config.target.aux_layer_ids is not None:
+        cache.check_layers(config.target.aux_layer_ids, source="target.aux_layer_ids")
+    skeleton = cache.target_skeleton()
+    return TrainInputs(
+        source=cache,
+        head_model=skeleton,
+        lm_head_weight=skeleton.get_output_embeddings().weight.detach(),
+        aux_layer_ids=cache.aux_layer_ids,
+        target_model=None,
+        identity={"target": cache.manifest["target"]["name_or_path"], "mode": "offline"},
+    )
+
+
+def features(inputs: TrainInputs, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """(aux [B,T,A*Ht], last_hidden [B,T,Ht]) for a batch."""
+    if inputs.target_model is None:
+        return batch.aux, batch.last_hidden
+    from eagletools.target import capture_aux
+
+    out = capture_aux(
+        inputs.target_model, batch.input_ids, batch.attention_mask, inputs.aux_layer_ids
+    )
+    return out.aux, out.last_hidden
+
+
+def build_vocab_for(config: TrainConfig, inputs: TrainInputs, train_idx: list[int], out: Path):
+    """The draft vocabulary: a given file, the one of a resumed run, or counted now."""
+    from eagletools.vocab import DraftVocab, build_vocab
+
+    saved = out / "vocab.safetensors"
+    if config.vocab.path:
+        return DraftVocab.load(config.vocab.path), {"path": config.vocab.path}
+    if saved.is_file():
+        return DraftVocab.load(saved), json.loads((out / "vocab_report.json").read_text())
+    import datasets
+
+    src = inputs.source
+    rows = {
+        "input_ids": [src.batch([i]).input_ids[0].tolist() for i in train_idx],
+        "loss_mask": [src.loss_mask(i).tolist() for i in train_idx],
+    }
+    vocab_size = inputs.lm_head_weight.shape[0]
+    size = min(config.vocab.draft_vocab_size, vocab_size)
+    vocab, report = build_vocab(datasets.Dataset.from_dict(rows), vocab_size, size)
+    return vocab, report
+
+
+class Trainer:
+    """One training run; `run()` returns the final held-out metrics."""
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        output_dir: str | Path,
+        inputs: TrainInputs,
+        resume: bool = False,
+        stop_after: int | None = None,
+    ):
+        from accelerate import Accelerator
+
+        from eagletools.draft import Eagle3Draft
+
+        self.config, self.out, self.inputs = config, Path(output_dir), inputs
+        self.stop_after = stop_after
+        t = config.training
+        if t.num_threads:
+            torch.set_num_threads(t.num_threads)
+        tracker = None if config.tracking.report_to == "none" else config.tracking.report_to
+        self.acc = Accelerator(
+            mixed_precision="bf16" if t.precision == "bf16" else "no",
+            log_with=tracker,
+            project_dir=str(self.out),
+        )
+        torch.manual_seed(t.seed)
+
+        src = inputs.source
+        if len(src) == 0:
+            raise UserError(f"{config.data.train}: the dataset is empty after filtering")
+        train_idx, eval_idx = split_indices(len(src), config.data.eval_samples, t.seed)
+        self.train_idx, skipped = trainable(src, train_idx)
+        self.eval_idx, skipped_eval = trainable(src, eval_idx)
+        self.skipped_masked = skipped + skipped_eval
+        if self.skipped_masked:
+            log.warning(
+                "skipped %d samples whose every token is masked out of the loss",
+                self.skipped_masked,
+            )
+        if not self.train_idx:
+            raise UserError(
+                f"{config.data.train}: no training sample is left after filtering "
+                f"({len(train_idx)} had every token masked out of the loss); "
+                "check the chat template and data.max_length"
+            )
+        self.vocab, self.vocab_report = build_vocab_for(config, inputs, self.train_idx, self.out)
+
+        draft = Eagle3Draft.from_target(
+            inputs.head_model,
+            self.vocab,
+            aux_layer_ids=inputs.aux_layer_ids,
+            init_head_from_target=config.draft.init_head_from_target,
+            norm_before_residual=config.draft.norm_before_residual,
+        )
+        model = TTTModel(draft, t.ttt_steps, t.ttt_decay, t.attn_chunk)
+        self.params = [p for p in draft.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(
+            self.params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay
+        )
+        self.global_batch = t.batch_size * self.acc.num_processes
+        self.total = t.max_steps or total_steps(
+            len(self.train_idx), self.global_batch, t.grad_accum, t.num_epochs
+        )
+        warmup = round(t.warmup_ratio * self.total)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, warmup_cosine(warmup, self.total, t.min_lr_ratio)
+        )
+        self.model, self.optimizer = self.acc.prepare(model, optimizer)
+        self.draft = self.acc.unwrap_model(self.model).draft
+        self.lm_head = inputs.lm_head_weight.to(self.acc.device)
+        self.d2t = self.draft.d2t
+        self.state: dict[str, Any] = {
+            "step": 0, "epoch": 0, "batch": 0, "tokens": 0, "skipped_nan_steps": 0,
+            "bad_in_row": 0, "skipped_masked_samples": self.skipped_masked,
+        }  # fmt: skip
+        self.history: list[dict[str, float]] = []
+        if resume:
+            self._resume()
+
+    # -- state -------------------------------------------------------------
+
+    def _resume(self) -> None:
+        found = ckpt.list_checkpoints(self.out / "checkpoints")
+        if not found:
+            raise UserError(
+                f"--resume: no checkpoint under {self.out / 'checkpoints'}; start without --resume"
+            )
+        state = ckpt.load_checkpoint(found[-1], self.draft, self.optimizer, self.scheduler)
+        if state["recipe"] != self.config.to_dict():
+            raise UserError(
+                f"--resume: {found[-1]} was written with another recipe; resume with the same "
+                f"recipe and overrides (see {self.out / 'recipe.yaml'})"
+            )
+        self.state = state["position"]
+        self.history = [h for h in self._read_history() if h["step"] <= self.state["step"]]
+        log.info("resumed from %s at step %d", found[-1], self.state["step"])
+
+    def _read_history(self) -> list[dict[str, float]]:
+        path = self.out / "train_log.jsonl"
+        if not path.is_file():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+    def _save(self) -> None:
+        if self.acc.is_main_process:
+            state = {"position": self.state, "recipe": self.config.to_dict()}
+            ckpt.save_checkpoint(
+                self.out / "checkpoints", self.state["step"], self.draft, self.optimizer,
+                self.scheduler, state, self.config.training.keep_last,
+            )  # fmt: skip
+            with atomic_file(self.out / "train_log.jsonl") as tmp:
+                tmp.write_text("".join(json.dumps(h) + "\n" for h in self.history))
+        self.acc.wait_for_everyone()
+
+    # -- steps -------------------------------------------------------------
+
+    def _forward(self, batch: Any, norm: torch.Tensor | None) -> tuple[torch.Tensor, StepStats]:
+        device = self.acc.device
+        aux, last_hidden = features(self.inputs, batch)
+        probs, argmax = teacher_targets(last_hidden.to(device), self.lm_head, self.d2t)
+        return self.model(
+            batch.input_ids.to(device),
+            aux.to(device),
+            batch.loss_mask.to(device),
+            probs,
+            argmax,
+            norm,
+        )
+
+    def _micro_batches(self) -> list[Any]:
+        """This rank's share of the next `grad_accum` global batches (advancing epochs)."""
+        t = self.config.training
+        per_epoch = steps_per_epoch(len(self.train_idx), self.global_batch, t.grad_accum)
+        if self.state["batch"] >= per_epoch * t.grad_accum:
+            self.state["epoch"] += 1
+            self.state["batch"] = 0
+        lengths = [self.inputs.source.length(i) for i in self.train_idx]
+        plan = plan_epoch(lengths, self.global_batch, t.seed, self.state["epoch"], t.bucket_size)
+        start, rank = self.state["batch"], self.acc.process_index
+        out = []
+        for global_batch in plan[start : start + t.grad_accum]:
+            mine = global_batch[rank * t.batch_size : (rank + 1) * t.batch_size]
+            out.append(self.inputs.source.batch([self.train_idx[i] for i in mine]))
+        return out
+
+    def train_step(self) -> dict[str, float]:
+        t = self.config.training
+        batches = self._micro_batches()
+        norm = sum(step_counts(b.loss_mask, t.ttt_steps) for b in batches).to(self.acc.device)
+        norm = self.acc.reduce(norm, "sum") / self.acc.num_processes
+        total = StepStats(*(torch.zeros(t.ttt_steps, device=self.acc.device) for _ in range(3)))
+        losses = []
+        tokens = 0
+        for i, batch in enumerate(batches):
+            last = i == len(batches) - 1
+            with contextlib.nullcontext() if last else self.acc.no_sync(self.model):
+                loss, stats = self._forward(batch, norm)
+                self.acc.backward(loss)
+            losses.append(loss.detach())
+            tokens += batch.num_tokens
+            for name in ("loss_sum", "correct", "count"):
+                getattr(total, name).add_(getattr(stats, name))
+        grad_norm = self.acc.clip_grad_norm_(self.params, t.grad_clip)
+        finite = torch.isfinite(torch.stack(losses).sum()) & torch.isfinite(grad_norm)
+        bad = self.acc.reduce((~finite).float().to(self.acc.device), "sum") > 0
+        if bad:
+            self.state["skipped_nan_steps"] += 1
+            self.state["bad_in_row"] += 1
+        else:
+            self.optimizer.step()
+            self.state["bad_in_row"] = 0
+        self.optimizer.zero_grad(set_to_none=True)
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        self.state["step"] += 1
+        self.state["batch"] += t.grad_accum
+        self.state["tokens"] += int(
+            self.acc.reduce(torch.tensor(tokens, device=self.acc.device), "sum")
+        )
+        if self.state["bad_in_row"] >= t.max_bad_steps:
+            raise UserError(
+                f"the loss was not finite in {t.max_bad_steps} optimizer steps in a row (up to "
+                f"step {self.state['step']}); lower training.lr, check the data or hidden-state "
+                "cache for NaN/inf, or raise training.max_bad_steps"
+            )
+        reduced = StepStats(*(self.acc.reduce(getattr(total, n), "sum") for n in
+                              ("loss_sum", "correct", "count")))  # fmt: skip
+        metrics = summarize(reduced, t.ttt_decay)
+        metrics.update(lr=lr, grad_norm=float(grad_norm), skipped=float(bad))
+        return metrics
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Held-out loss, acc_j and simulated acceptance length (sharded over ranks)."""
+        t = self.config.training
+        src = self.inputs.source
+        order = sorted(self.eval_idx, key=src.length)
+        chunks = [order[i : i + t.batch_size] for i in range(0, len(order), t.batch_size)]
+        total = StepStats(*(torch.zeros(t.ttt_steps, device=self.acc.device) for _ in range(3)))
+        model = self.acc.unwrap_model(self.model)
+        rank, world = self.acc.process_index, self.acc.num_processes
+        for chunk in chunks[rank::world]:
+            batch = src.batch(chunk)
+            aux, last_hidden = features(self.inputs, batch)
+            probs, argmax = teacher_targets(last_hidden.to(self.acc.device), self.lm_head, self.d2t)
+            with self.acc.autocast():
+                _, stats = model(
+                    batch.input_ids.to(self.acc.device), aux.to(self.acc.device),
+                    batch.loss_mask.to(self.acc.device), probs, argmax,
+                )  # fmt: skip
+            for name in ("loss_sum", "correct", "count"):
+                getattr(total, name).add_(getattr(stats, name))
+        reduced = StepStats(*(self.acc.reduce(getattr(total, n), "sum") for n in
+                              ("loss_sum", "correct", "count")))  # fmt: skip
+        return summarize(reduced, t.ttt_decay)
+
+    # -- the loop ----------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        from tqdm.auto import tqdm
+
+        t, c = self.config.training, self.config
+        if self.acc.is_main_process:
+            write_text(self.out / "recipe.yaml", dump_config(c))
+            self.vocab.save(self.out / "vocab.safetensors")
+            write_text(self.out / "vocab_report.json", json.dumps(self.vocab_report, indent=2))
+        if c.tracking.report_to != "none":
+            self.acc.init_trackers(
+                c.tracking.project,
+                config=_flat(c.to_dict()),
+                init_kwargs={"wandb": {"name": c.tracking.run_name, "dir": str(self.out)}},
+            )
+        bar = tqdm(total=self.total, initial=self.state["step"], disable=not self.acc.is_main_process,
+                   desc="train", unit="step")  # fmt: skip
+        start, start_tokens = time.perf_counter(), self.state["tokens"]
+        eval_metrics: dict[str, float] = {}
+        while self.state["step"] < self.total:
+            metrics = self.train_step()
+            step = self.state["step"]
+            speed = (self.state["tokens"] - start_tokens) / (time.perf_counter() - start)
+            metrics["tokens_per_s"] = speed
+            self.history.append({"step": step, "loss": metrics["loss"], "lr": metrics["lr"]})
+            bar.update(1)
+            bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc0=f"{metrics['acc_0']:.2f}",
+                            tok_s=f"{speed:.0f}")  # fmt: skip
+            if step % t.log_every == 0 or step == self.total:
+                self.acc.log({f"train/{k}": v for k, v in metrics.items()}, step=step)
+            done = step == self.total
+            if (t.eval_every and step % t.eval_every == 0) or done:
+                eval_metrics = self.evaluate() if self.eval_idx else {}
+                self.acc.log({f"eval/{k}": v for k, v in eval_metrics.items()}, step=step)
+                if eval_metrics and self.acc.is_main_process:
+                    log.info("step %d held-out %s", step, _fmt(eval_metrics))
+            if (t.save_every and step % t.save_every == 0) or done:
+                self._save()
+            if self.stop_after is not None and step >= self.stop_after:
+                break
+        bar.close()
+        elapsed = time.perf_counter() - start
+        result = {
+            **eval_metrics,
+            "acc": [eval_metrics[f"acc_{j}"] for j in range(t.ttt_steps)] if eval_metrics else [],
+            "steps": self.state["step"],
+            "trained_tokens": self.state["tokens"],
+            "train_seconds": elapsed,
+            "tokens_per_s": (self.state["tokens"] - start_tokens) / max(elapsed, 1e-9),
+            "skipped_nan_steps": self.state["skipped_nan_steps"],
+            "skipped_masked_samples": self.skipped_masked,
+            "train_samples": len(self.train_idx),
+            "eval_samples": len(self.eval_idx),
+            "vocab": self.vocab_report,
+            **self.inputs.identity,
+        }
+        if self.state["step"] >= self.total and self.acc.is_main_process:
+            self._write_final()
+            write_text(self.out / "metrics.json", json.dumps(result, indent=2))
+        self.acc.wait_for_everyone()
+        self.acc.end_training()
+        return result
+
+    def _write_final(self) -> None:
+        """The deployable draft in the `eagle` format, with d2t/t2d."""
+        from eagletools.formats import Checkpoint, save_checkpoint
+
+        tensors = ckpt.draft_tensors(self.draft)
+        source = str(self.out / "checkpoints")
+        save_checkpoint(
+            Checkpoint("eagle", self.draft.config, tensors, source),
+            self.out / "final",
+            "eagle",
+            overwrite=True,
+        )
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v if isinstance(v, (int, float, str, bool)) else str(v)
+    return out
+
+
+def _fmt(metrics: dict[str, float]) -> str:
+    keys = ["loss", "acc_0", "acc_1", "simulated_acceptance_length"]
+    return " ".join(f"{k}={metrics[k]:.3f}" for k in keys if k in metrics)
+
+
+def train(
+    config: TrainConfig,
+    output_dir: str | Path,
+    *,
+    resume: bool = False,
+    target: Any = None,
+    dataset: Any = None,
+    stop_after: int | None = None,
+) -> dict[str, Any]:
+    """Train a draft per `config` into `output_dir`; returns the final metrics.
+
+    `target`/`dataset` skip loading them (tests, notebooks); `stop_after`
+    stops after that step as an interruption would (the checkpoints stay).
+    """
+    if config.data.hidden_states:
+        inputs = offline_inputs(config)
+    else:
+        inputs = online_inputs(config, target, dataset)
+    return Trainer(config, output_dir, inputs, resume=resume, stop_after=stop_after).run()
