@@ -89,6 +89,7 @@ def offline_inputs(config: TrainConfig) -> TrainInputs:
     from eagletools.data.hidden_states import HiddenStateCache
 
     cache = HiddenStateCache.open(config.data.hidden_states)
+    cache.check_target(config.target.spec)
     if config.target.aux_layer_ids is not None:
         cache.check_layers(config.target.aux_layer_ids, source="target.aux_layer_ids")
     skeleton = cache.target_skeleton()

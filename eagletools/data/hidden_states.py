@@ -1,0 +1,311 @@
+"""The offline hidden-state cache: run the target once, train the draft for many epochs.
+
+Layout of a cache folder:
+
+    manifest.json                 target identity, aux layer ids, data key, shards
+    target/config.json            the target's config (to size the draft)
+    target/head.safetensors       embed_tokens, lm_head and final norm weights
+    shards/shard-NNNNN.safetensors
+
+A shard holds the samples [k*S, (k+1)*S) of the prepared dataset, concatenated
+along tokens: `input_ids` int32 [N], `loss_mask` int8 [N], `aux` bf16 [N, A*Ht],
+`last_hidden` bf16 [N, Ht] and `offsets` int64 [n+1]; so a token costs
+(A+1)*Ht*2 + 5 bytes. Rank r of W writes the shards k with k % W == r; a
+shard file exists only once complete (atomic), so a rerun resumes where the
+last one stopped. Readers memory-map the shards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagletools.atomic import atomic_file, write_text
+from eagletools.errors import UserError
+from eagletools.train.data import Batch, pad_right
+
+log = logging.getLogger(__name__)
+
+VERSION = 1
+
+
+def target_fingerprint(model: torch.nn.Module) -> str:
+    """A hash of the target's sizes and a few of its weights (bf16-rounded, so a
+    bf16 and an fp32 load of the same model agree)."""
+    digest = hashlib.sha256()
+    config = model.config
+    for name in ("model_type", "num_hidden_layers", "hidden_size", "vocab_size"):
+        digest.update(f"{name}={getattr(config, name, None)};".encode())
+    base = model.model
+    pieces = [base.norm.weight, model.get_output_embeddings().weight[:64],
+              base.layers[0].self_attn.q_proj.weight[:16]]  # fmt: skip
+    for p in pieces:
+        digest.update(p.detach().to(torch.bfloat16).float().cpu().numpy().tobytes())
+    return digest.hexdigest()[:32]
+
+
+def shard_path(root: Path, k: int) -> Path:
+    return root / "shards" / f"shard-{k:05d}.safetensors"
+
+
+def _identity(target: Any, layer_ids: list[int], data_key: str, max_length: int) -> dict:
+    return {
+        "version": VERSION,
+        "target": {
+            "name_or_path": target.info.name_or_path,
+            "fingerprint": target_fingerprint(target.model),
+            "hidden_size": target.info.hidden_size,
+            "vocab_size": target.info.vocab_size,
+            "num_layers": target.info.num_layers,
+        },
+        "aux_layer_ids": list(layer_ids),
+        "data_key": data_key,
+        "max_length": max_length,
+        "dtype": "bfloat16",
+    }
+
+
+def _check_identity(found: dict, want: dict, root: Path) -> None:
+    for key, what in (("target", "target"), ("aux_layer_ids", "aux layer ids"),
+                      ("data_key", "data"), ("max_length", "max length")):  # fmt: skip
+        if found.get(key) != want[key]:
+            raise UserError(
+                f"{root}/manifest.json: this cache was made with another {what} "
+                f"({found.get(key)} vs {want[key]}); use a new output folder, or the same "
+                "target, layers and data to resume it"
+            )
+
+
+def write_hidden_states(
+    target: Any,
+    dataset: Any,
+    output_dir: str | Path,
+    *,
+    data_key: str,
+    max_length: int,
+    layer_ids: list[int] | None = None,
+    shard_size: int = 256,
+    batch_tokens: int = 8192,
+    rank: int | None = None,
+    world_size: int | None = None,
+) -> Path:
+    """Capture aux and last hidden states of every sample into `output_dir`.
+
+    `rank`/`world_size` default to the RANK/WORLD_SIZE that `accelerate launch`
+    or torchrun set. Returns the cache folder; its manifest is complete once
+    every shard of every rank exists.
+    """
+    from safetensors.torch import save_file
+    from tqdm.auto import tqdm
+
+    from eagletools.target import capture_aux, default_aux_layer_ids
+
+    rank = int(os.environ.get("RANK", 0)) if rank is None else rank
+    world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
+    root = Path(output_dir)
+    layer_ids = list(layer_ids or default_aux_layer_ids(target.info.num_layers))
+    identity = _identity(target, layer_ids, data_key, max_length)
+    manifest_path = root / "manifest.json"
+    if manifest_path.is_file():
+        _check_identity(json.loads(manifest_path.read_text()), identity, root)
+    elif rank == 0:
+        write_text(manifest_path, json.dumps({**identity, "complete": False}, indent=2))
+        _write_head(target, root)
+
+    n = len(dataset)
+    if n == 0:
+        raise UserError("the dataset is empty after filtering: nothing to cache")
+    num_shards = (n + shard_size - 1) // shard_size
+    mine = [k for k in range(num_shards) if k % world_size == rank]
+    todo = [k for k in mine if not shard_path(root, k).is_file()]
+    if len(todo) < len(mine):
+        log.info("rank %d: %d of %d shards already cached", rank, len(mine) - len(todo), len(mine))
+    model = target.model
+    for k in tqdm(todo, desc=f"hidden states (rank {rank})", unit="shard", disable=not todo):
+        rows = dataset[k * shard_size : min((k + 1) * shard_size, n)]
+        ids = [torch.as_tensor(x, dtype=torch.long) for x in rows["input_ids"]]
+        masks = [torch.as_tensor(x, dtype=torch.int8) for x in rows["loss_mask"]]
+        aux_rows: list[torch.Tensor] = [None] * len(ids)  # type: ignore[list-item]
+        last_rows: list[torch.Tensor] = [None] * len(ids)  # type: ignore[list-item]
+        order = sorted(range(len(ids)), key=lambda i: -ids[i].numel())
+        while order:
+            width = ids[order[0]].numel()
+            take = order[: max(1, batch_tokens // width)]
+            order = order[len(take) :]
+            batch_ids = pad_right([ids[i] for i in take], width)
+            attention = pad_right([torch.ones_like(ids[i]) for i in take], width)
+            out = capture_aux(model, batch_ids.to(model.device), attention.to(model.device),
+                              layer_ids)  # fmt: skip
+            for row, i in enumerate(take):
+                length = ids[i].numel()
+                aux_rows[i] = out.aux[row, :length].to(torch.bfloat16).cpu()
+                last_rows[i] = out.last_hidden[row, :length].to(torch.bfloat16).cpu()
+        lengths = torch.tensor([0] + [x.numel() for x in ids])
+        tensors = {
+            "input_ids": torch.cat(ids).to(torch.int32),
+            "loss_mask": torch.cat(masks),
+            "aux": torch.cat(aux_rows),
+            "last_hidden": torch.cat(last_rows),
+            "offsets": lengths.cumsum(0),
+        }
+        shard_path(root, k).parent.mkdir(parents=True, exist_ok=True)
+        with atomic_file(shard_path(root, k)) as tmp:
+            save_file(tensors, str(tmp))
+    _finish_manifest(root, identity, num_shards, shard_size, n)
+    return root
+
+
+def _write_head(target: Any, root: Path) -> None:
+    from safetensors.torch import save_file
+
+    model = target.model
+    head = {
+        "embed_tokens.weight": model.get_input_embeddings().weight,
+        "lm_head.weight": model.get_output_embeddings().weight,
+        "norm.weight": model.model.norm.weight,
+    }
+    head = {k: v.detach().to(torch.bfloat16).cpu().contiguous().clone() for k, v in head.items()}
+    (root / "target").mkdir(parents=True, exist_ok=True)
+    with atomic_file(root / "target" / "head.safetensors") as tmp:
+        save_file(head, str(tmp))
+    write_text(root / "target" / "config.json", model.config.to_json_string())
+
+
+def _finish_manifest(root: Path, identity: dict, num_shards: int, shard_size: int, n: int) -> None:
+    """Once every shard exists (any rank may be last), record them and mark complete."""
+    from safetensors import safe_open
+
+    if not all(shard_path(root, k).is_file() for k in range(num_shards)):
+        return
+    shards, tokens = [], 0
+    for k in range(num_shards):
+        with safe_open(str(shard_path(root, k)), "pt") as f:
+            count = f.get_slice("offsets").get_shape()[0] - 1
+            num_tokens = f.get_slice("input_ids").get_shape()[0]
+        shards.append({"file": shard_path(root, k).name, "samples": count, "tokens": num_tokens})
+        tokens += num_tokens
+    manifest = {**identity, "complete": True, "num_samples": n, "num_tokens": tokens,
+                "shard_size": shard_size, "shards": shards}  # fmt: skip
+    write_text(root / "manifest.json", json.dumps(manifest, indent=2))
+
+
+@dataclass
+class _Sample:
+    shard: int
+    start: int
+    end: int
+
+
+class HiddenStateCache:
+    """A complete cache, memory-mapped; a `SampleSource` for the trainer."""
+
+    def __init__(self, root: Path, manifest: dict):
+        from safetensors import safe_open
+
+        self.root, self.manifest = root, manifest
+        self.aux_layer_ids: list[int] = manifest["aux_layer_ids"]
+        self.files = [safe_open(str(root / "shards" / s["file"]), "pt") for s in manifest["shards"]]
+        self.samples: list[_Sample] = []
+        self.masks: list[torch.Tensor] = []
+        for k, f in enumerate(self.files):
+            offsets = f.get_tensor("offsets").tolist()
+            mask = f.get_tensor("loss_mask")
+            for a, b in zip(offsets[:-1], offsets[1:], strict=True):
+                self.samples.append(_Sample(k, a, b))
+                self.masks.append(mask[a:b].long())
+
+    @classmethod
+    def open(cls, path: str | Path) -> HiddenStateCache:
+        root = Path(path)
+        manifest_path = root / "manifest.json"
+        if not manifest_path.is_file():
+            raise UserError(
+                f"{root}: no manifest.json; make a cache with `eagletools data hidden-states`"
+            )
+        manifest = json.loads(manifest_path.read_text())
+        if manifest.get("version") != VERSION:
+            raise UserError(
+                f"{manifest_path}: cache version {manifest.get('version')}, this eagletools "
+                f"reads version {VERSION}; rebuild the cache"
+            )
+        if not manifest.get("complete"):
+            raise UserError(
+                f"{manifest_path}: the cache is incomplete; rerun `eagletools data hidden-states` "
+                "with the same arguments to finish it"
+            )
+        return cls(root, manifest)
+
+    def check_target(self, spec: str, source: str = "target.spec") -> None:
+        made_for = self.manifest["target"]["name_or_path"]
+        if spec != made_for:
+            raise UserError(
+                f"{self.root}/manifest.json: the cache was made for target {made_for!r}, but "
+                f"{source} is {spec!r}; set {source}={made_for} or rebuild the cache"
+            )
+
+    def check_layers(self, layer_ids: list[int], source: str = "aux layer ids") -> None:
+        if list(layer_ids) != self.aux_layer_ids:
+            raise UserError(
+                f"{self.root}/manifest.json: the cache holds aux layers {self.aux_layer_ids}, "
+                f"but {source} is {list(layer_ids)}; use those layers or rebuild the cache"
+            )
+
+    def target_skeleton(self) -> torch.nn.Module:
+        """The target on the meta device with only its embeddings, final norm and
+        lm_head materialised: enough to size and initialise a draft."""
+        from safetensors.torch import load_file
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config_dict = json.loads((self.root / "target" / "config.json").read_text())
+        config = AutoConfig.for_model(**config_dict)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        head = load_file(str(self.root / "target" / "head.safetensors"))
+
+        def param(name: str) -> torch.nn.Parameter:
+            return torch.nn.Parameter(head[name], requires_grad=False)
+
+        model.model.embed_tokens.weight = param("embed_tokens.weight")
+        model.lm_head.weight = param("lm_head.weight")
+        model.model.norm.weight = param("norm.weight")
+        return model
+
+    # -- SampleSource -------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def length(self, index: int) -> int:
+        s = self.samples[index]
+        return s.end - s.start
+
+    def loss_mask(self, index: int) -> torch.Tensor:
+        return self.masks[index]
+
+    def _read(self, index: int, name: str) -> torch.Tensor:
+        s = self.samples[index]
+        return self.files[s.shard].get_slice(name)[s.start : s.end]
+
+    def batch(self, indices: list[int]) -> Batch:
+        t = max(self.length(i) for i in indices)
+        ids = [self._read(i, "input_ids").long() for i in indices]
+        return Batch(
+            input_ids=pad_right(ids, t),
+            loss_mask=pad_right([self.masks[i] for i in indices], t),
+            attention_mask=pad_right([torch.ones_like(x) for x in ids], t),
+            aux=pad_right([self._read(i, "aux") for i in indices], t),
+            last_hidden=pad_right([self._read(i, "last_hidden") for i in indices], t),
+        )
+
+    def bytes_per_token(self) -> float:
+        size = sum(
+            (self.root / "shards" / s["file"]).stat().st_size for s in self.manifest["shards"]
+        )
+        return size / self.manifest["num_tokens"]
