@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -12,6 +14,15 @@ def random_tree(batch: int, n: int, gen: torch.Generator) -> torch.Tensor:
     for j in range(1, n):
         parents[:, j] = torch.randint(0, j, (batch,), generator=gen)
     return parents
+
+
+def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
+    """`[N,N]` ancestor-or-self mask of one tree."""
+    n = len(parents)
+    mask = torch.eye(n, dtype=torch.bool)
+    for j in range(1, n):
+        mask[j] |= mask[parents[j]]
+    return mask
 
 
 def greedy_inputs(batch: int, n: int, vocab: int, gen: torch.Generator):
@@ -35,7 +46,9 @@ def sampling_inputs(batch: int, n: int, vocab: int, gen: torch.Generator, dtype=
     logits = torch.randn(batch, n, vocab, generator=gen) * 2
     for j in range(n):
         kids = parents == j
-        boost = torch.zeros(batch, vocab).scatter_add_(1, tokens, kids.float() * 3)
+        boost = torch.zeros(batch, vocab).scatter_add_(
+            1, tokens, kids.float() * (2 + math.log(vocab))
+        )
         logits[:, j] += boost
     probs = logits.softmax(-1).to(dtype)
     uniforms = torch.rand(batch, n + 1, generator=gen)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_inputs import greedy_inputs, random_tree, sampling_inputs
+from kernel_inputs import ancestor_mask, greedy_inputs, random_tree, sampling_inputs
 
 from eagletools.kernels import (
     compact_kv,
@@ -18,15 +18,6 @@ from eagletools.kernels import (
     verify_sampling,
     verify_sampling_reference,
 )
-
-
-def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
-    """`[N,N]` ancestor-or-self mask of one tree."""
-    n = len(parents)
-    mask = torch.eye(n, dtype=torch.bool)
-    for j in range(1, n):
-        mask[j] |= mask[parents[j]]
-    return mask
 
 
 def naive_tree_attention(q, k_cache, v_cache, prefix_len, tree_mask, scale):

@@ -1,0 +1,154 @@
+"""Each Triton kernel, run by the interpreter on CPU, against its reference.
+
+Inputs are drawn per test; outputs are poisoned (NaN / a sentinel) before each
+run so a kernel that skips an element fails. Tolerances: fp32 1e-5 relative,
+bf16 1e-2, integers exact.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_inputs import ancestor_mask, greedy_inputs, random_tree, sampling_inputs
+
+from eagletools.kernels.attention import tree_attention_reference, tree_attention_triton
+from eagletools.kernels.dispatch import use_triton
+from eagletools.kernels.draft_topk import topk_d2t_reference, topk_d2t_triton
+from eagletools.kernels.greedy_verify import verify_greedy_reference, verify_greedy_triton
+from eagletools.kernels.kv_compact import compact_kv_reference, compact_kv_triton
+from eagletools.kernels.sampling_verify import verify_sampling_reference, verify_sampling_triton
+
+SENTINEL = -7777
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=1e-2, atol=1e-2)}
+
+
+def poisoned(*like: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return tuple(
+        torch.full_like(t, float("nan") if t.is_floating_point() else SENTINEL) for t in like
+    )
+
+
+def assert_same_ints(got, want):
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype and torch.equal(g, w), (g, w)
+
+
+@pytest.mark.parametrize(
+    "b,hq,hkv,n,prefix,d,dtype",
+    [
+        (1, 2, 1, 1, 1, 16, torch.float32),  # one node, prefix of one
+        (2, 6, 2, 7, 13, 24, torch.float32),  # head_dim and sizes not powers of two
+        (1, 8, 2, 19, 70, 32, torch.float32),  # 4 heads x 19 nodes span two row blocks
+        (1, 4, 4, 33, 100, 64, torch.bfloat16),
+        (2, 4, 1, 5, 1, 128, torch.bfloat16),
+    ],
+)
+def test_tree_attention(gen, b, hq, hkv, n, prefix, d, dtype):
+    # q as the decoder makes it: [B,N,Hq,D] transposed, so not contiguous
+    q = torch.randn(b, n, hq, d, generator=gen).to(dtype).transpose(1, 2)
+    s_max = prefix + n + 9
+    k = torch.randn(b, hkv, s_max, d, generator=gen).to(dtype)
+    v = torch.randn(b, hkv, s_max, d, generator=gen).to(dtype)
+    # slots past the tree are never read: NaN there would leak into the output
+    k[:, :, prefix + n :] = float("nan")
+    v[:, :, prefix + n :] = float("nan")
+    mask = ancestor_mask(random_tree(1, n, gen)[0])
+    (out,) = poisoned(q)
+    got = tree_attention_triton(q, k, v, prefix, mask, d**-0.5, out=out)
+    assert got is out
+    want = tree_attention_reference(q, k, v, prefix, mask, d**-0.5)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("b,n,vocab", [(1, 1, 5), (3, 2, 2), (8, 11, 4), (4, 33, 3), (2, 64, 3)])
+def test_verify_greedy(gen, b, n, vocab):
+    tokens, parents, am = greedy_inputs(b, n, vocab, gen)
+    want = verify_greedy_reference(tokens, parents, am)
+    got = verify_greedy_triton(tokens, parents, am, out=poisoned(*want))
+    assert_same_ints(got, want)
+
+
+def distinct_logits(m: int, v: int, dtype, gen: torch.Generator) -> torch.Tensor:
+    """Logits without ties, so the top-k order (and so the ids) is unique."""
+    pool = torch.linspace(-8, 8, 400_001).to(dtype).unique()
+    assert len(pool) >= v
+    rows = [pool[torch.randperm(len(pool), generator=gen)[:v]] for _ in range(m)]
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize(
+    "m,v,k,dtype,with_d2t",
+    [
+        (1, 1, 1, torch.float32, True),
+        (3, 37, 5, torch.float32, True),
+        (4, 5003, 3, torch.float32, True),  # two blocks of 4096
+        (2, 1000, 8, torch.bfloat16, True),
+        (5, 300, 1, torch.bfloat16, False),  # argmax, identity vocab
+    ],
+)
+def test_topk_d2t(gen, m, v, k, dtype, with_d2t):
+    logits = distinct_logits(m, v, dtype, gen)
+    d2t = torch.randint(0, 4, (v,), generator=gen).cumsum(0) if with_d2t else None
+    want = topk_d2t_reference(logits, d2t, k)
+    got = topk_d2t_triton(logits, d2t, k, out=poisoned(*want))
+    torch.testing.assert_close(got[0], want[0], **TOL[torch.float32])
+    assert_same_ints(got[1:], want[1:])
+
+
+def test_topk_d2t_breaks_ties_by_lower_id():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 3.0, 3.0, 0.0]])
+    _, ids = topk_d2t_triton(logits, None, 4)
+    assert ids.tolist() == [[1, 3, 4, 2]]
+
+
+def random_paths(b: int, n: int, slots: int, gen: torch.Generator) -> torch.Tensor:
+    """Increasing source slots per row, as accepted paths are; -1 past each row's length."""
+    src = torch.full((b, n), -1, dtype=torch.long)
+    for i in range(b):
+        length = int(torch.randint(1, n + 1, (1,), generator=gen))
+        src[i, :length] = torch.randperm(slots, generator=gen)[:length].sort().values
+    return src
+
+
+@pytest.mark.parametrize(
+    "b,h,d,n,prefix,dtype",
+    [
+        (1, 1, 1, 1, 1, torch.float32),
+        (2, 3, 24, 5, 7, torch.float32),
+        (3, 2, 128, 9, 40, torch.bfloat16),
+    ],
+)
+def test_compact_kv(gen, b, h, d, n, prefix, dtype):
+    tree = n + 6
+    k = torch.randn(b, h, prefix + tree + 4, d, generator=gen).to(dtype)
+    v = torch.randn(b, h, prefix + tree + 4, d, generator=gen).to(dtype)
+    k[:, :, prefix + tree :] = float("nan")  # untouched slots must stay as they are
+    src = prefix + random_paths(b, n, tree, gen)
+    src[src < prefix] = -1
+    want_k, want_v = k.clone(), v.clone()
+    compact_kv_reference(want_k, want_v, src, prefix)
+    compact_kv_triton(k, v, src, prefix)
+    assert torch.equal(k.nan_to_num(), want_k.nan_to_num()) and torch.equal(v, want_v)
+
+
+@pytest.mark.parametrize(
+    "b,n,vocab,dtype",
+    [
+        (1, 1, 7, torch.float32),
+        (6, 5, 6, torch.float32),  # tiny vocab: duplicate sibling tokens
+        (5, 17, 1100, torch.float32),  # two vocab blocks of 1024
+        (4, 9, 3000, torch.bfloat16),
+    ],
+)
+def test_verify_sampling(gen, b, n, vocab, dtype):
+    inputs = sampling_inputs(b, n, vocab, gen, dtype)
+    want = verify_sampling_reference(*inputs)
+    got = verify_sampling_triton(*inputs, out=poisoned(*want))
+    assert_same_ints(got, want)
+
+
+def test_dispatch_uses_the_reference_on_cpu(monkeypatch):
+    t = torch.zeros(2)
+    assert not use_triton(t)
+    monkeypatch.setenv("EAGLETOOLS_KERNELS", "reference")
+    assert not use_triton(t)
