@@ -70,7 +70,9 @@ def assistant_spans(
             if start >= 0:
                 break
         else:
-            raise TemplateMismatch(f"message {i} ({msg.role}) not found in the rendered text")
+            if msg.role != "assistant":
+                continue  # some templates drop or rewrite system/user text; harmless
+            raise TemplateMismatch(f"message {i} (assistant) not found in the rendered text")
         cursor = start + len(needle)
         if msg.role == "assistant":
             spans.append((start, cursor))
