@@ -1,0 +1,81 @@
+"""`eagletools convert`: rewrite a draft checkpoint in another ecosystem's format."""
+
+from __future__ import annotations
+
+import argparse
+
+from eagletools.commands import add_command
+
+WRITABLE = ("eagle", "speculators", "training")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = add_command(
+        subparsers, "convert",
+        "Convert an EAGLE-3 draft checkpoint between eagle (SGLang, SpecForge, TensorRT-LLM), "
+        "speculators (vLLM) and eagletools training formats, checking it first",
+        "eagletools convert runs/demo/final out/draft-vllm --to speculators "
+        "--target smollm2-135m",
+    )  # fmt: skip
+    p.add_argument("src", help="checkpoint folder (format detected)")
+    p.add_argument("out", help="output folder (written atomically)")
+    p.add_argument("--to", required=True, choices=WRITABLE, help="output format")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="cast weights (default: keep)")
+    p.add_argument(
+        "--target",
+        help="target (built-in name, HF folder, .gguf, hub id): check against it and take "
+        "RoPE, max_position_embeddings and default aux layers from it",
+    )
+    p.add_argument(
+        "--with-embeddings",
+        action="store_true",
+        help="write embed_tokens (from the source, else from --target)",
+    )
+    p.add_argument(
+        "--verifier",
+        help="speculators: verifier name_or_path to record (default: --target, else the source's)",
+    )
+    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p.add_argument(
+        "--allow-pickle",
+        action="store_true",
+        help="read pytorch_model.bin (a pickle: only from a source you trust)",
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from eagletools.errors import UserError
+    from eagletools.formats import fit_to_target, load_checkpoint, save_checkpoint
+
+    out = Path(args.out)
+    if out.exists() and not args.force:
+        raise UserError(f"{out}: already exists; pass --force to replace it")
+    ckpt = load_checkpoint(args.src, allow_pickle=args.allow_pickle)
+    print(f"read {ckpt.source} ({ckpt.format})")
+    verifier = args.verifier
+    if args.target:
+        from eagletools.target import load_target, resolve_spec
+
+        target = load_target(args.target)
+        ckpt, notes = fit_to_target(ckpt, target)
+        for note in notes:
+            print(f"  from target: {note}")
+        if verifier is None:
+            location, gguf = resolve_spec(args.target)
+            local = not gguf and Path(location).is_dir()
+            name = str(Path(location).resolve()) if local else args.target
+            verifier = {"name_or_path": name, "architectures": [target.info.architecture]}
+    path = save_checkpoint(
+        ckpt,
+        out,
+        args.to,
+        dtype=args.dtype,
+        with_embeddings=args.with_embeddings,
+        verifier=verifier,
+        overwrite=args.force,
+    )
+    print(f"wrote {path} ({args.to})")
+    return 0

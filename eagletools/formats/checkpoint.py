@@ -1,0 +1,209 @@
+"""Read any draft checkpoint into one form, check it, write it in any format.
+
+In memory a checkpoint is a `DraftConfig` plus tensors under the `eagle` key
+names, `d2t`/`t2d` always present (rebuilt when a file omits them). Every
+reader's output goes through `check_tensors` before anything uses or writes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagletools.atomic import atomic_dir
+from eagletools.draft import DraftConfig, Eagle3Draft
+from eagletools.errors import UserError
+from eagletools.formats import eagle, hfconfig, speculators, training
+from eagletools.formats.tensors import DEFAULT_MAX_SHARD_BYTES
+from eagletools.formats.validate import check_tensors, normalize_rope, target_problems
+from eagletools.vocab import DraftVocab
+
+log = logging.getLogger(__name__)
+
+FORMATS = {m.NAME: m for m in (training, speculators, eagle)}  # detection order
+EMBED = "embed_tokens.weight"
+DTYPES = {
+    "fp32": torch.float32, "float32": torch.float32,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16,
+}  # fmt: skip
+
+
+@dataclass
+class Checkpoint:
+    format: str
+    config: DraftConfig
+    tensors: dict[str, torch.Tensor]  # `eagle` key names
+    source: str
+
+    @property
+    def vocab(self) -> DraftVocab:
+        return DraftVocab(self.tensors["d2t"], self.tensors["t2d"])
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise UserError(f"dtype {name!r}: choose one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def _folder(path: str | Path) -> Path:
+    folder = Path(path).expanduser()
+    if not folder.exists():
+        raise UserError(f"{folder}: no such checkpoint folder")
+    if not folder.is_dir():
+        raise UserError(
+            f"{folder}: a file; give the checkpoint folder (the one holding config.json), "
+            f"e.g. {folder.parent}"
+        )
+    return folder
+
+
+def detect_format(path: str | Path) -> str:
+    """The format name of the checkpoint folder at `path`."""
+    folder = _folder(path)
+    for name, module in FORMATS.items():
+        if module.matches(folder):
+            return name
+    inside = sorted(
+        str(p.parent)
+        for pattern in ("*/config.json", "*/" + training.CONFIG, "*/*/" + training.CONFIG)
+        for p in folder.glob(pattern)
+    )
+    if inside:
+        raise UserError(
+            f"{folder}: holds checkpoints rather than being one; give one of: " + ", ".join(inside)
+        )
+    if (folder / "config.json").is_file():
+        cfg = hfconfig.read_json(folder / "config.json")
+        found = f"architectures={cfg.get('architectures')}, model_type={cfg.get('model_type')!r}"
+    else:
+        found = f"files {sorted(p.name for p in folder.iterdir())}"
+    raise UserError(
+        f"{folder}: unknown checkpoint format ({found}); expected config.json with "
+        f"'speculators_model_type' (speculators), config.json with architectures "
+        f"[{eagle.ARCHITECTURE!r}] (eagle), or {training.CONFIG} (an eagletools training "
+        "checkpoint)"
+    )
+
+
+def load_checkpoint(path: str | Path, allow_pickle: bool = False) -> Checkpoint:
+    """Read and check a draft checkpoint of any known format."""
+    folder = _folder(path)
+    fmt = detect_format(folder)
+    config, tensors = FORMATS[fmt].read(folder, allow_pickle)
+    vocab = check_tensors(config, tensors, str(folder))
+    tensors["d2t"], tensors["t2d"] = vocab.d2t, vocab.t2d
+    return Checkpoint(fmt, config, tensors, str(folder))
+
+
+def _verifier(name: str | dict | None) -> dict[str, Any] | None:
+    """{name_or_path, architectures}; the architectures read from a local folder's config."""
+    if name is None or isinstance(name, dict):
+        return name
+    cfg = Path(name).expanduser() / "config.json"
+    archs = (hfconfig.read_json(cfg).get("architectures") or []) if cfg.is_file() else []
+    return {"name_or_path": str(name), "architectures": archs}
+
+
+def save_checkpoint(
+    ckpt: Checkpoint,
+    path: str | Path,
+    fmt: str,
+    *,
+    dtype: str | torch.dtype | None = None,
+    with_embeddings: bool = False,
+    verifier: str | dict | None = None,
+    overwrite: bool = False,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> Path:
+    """Check `ckpt`, then write it as `fmt` atomically; nothing is written on any error."""
+    if fmt not in FORMATS:
+        raise UserError(f"format {fmt!r}: choose one of {sorted(FORMATS)}")
+    path = Path(path).expanduser()
+    if path.exists() and not overwrite:
+        raise UserError(f"{path}: already exists; pass --force (overwrite=True) to replace it")
+    check_tensors(ckpt.config, ckpt.tensors, ckpt.source)
+    tensors = dict(ckpt.tensors)
+    if with_embeddings and EMBED not in tensors:
+        raise UserError(
+            f"{ckpt.source}: has no {EMBED} to write; pass --target to copy the target's"
+        )
+    if not with_embeddings and tensors.pop(EMBED, None) is not None:
+        log.info("dropping %s (engines use the target's); keep them with --with-embeddings", EMBED)
+    if dtype is not None:
+        dt = parse_dtype(dtype)
+        tensors = {k: v.to(dt) if v.is_floating_point() else v for k, v in tensors.items()}
+    with atomic_dir(path, overwrite=overwrite) as tmp:
+        FORMATS[fmt].write(
+            ckpt.config, tensors, tmp, verifier=_verifier(verifier), max_shard_bytes=max_shard_bytes
+        )
+    return path
+
+
+def fit_to_target(ckpt: Checkpoint, target: Any) -> tuple[Checkpoint, list[str]]:
+    """Take RoPE, max positions, default aux ids and missing embeddings from `target`.
+
+    Returns the fitted checkpoint and a line per change; raises a UserError
+    naming every problem the target cannot fix (widths, vocab, layers).
+    """
+    info = target.info
+    notes, changes = [], {}
+    scaling = normalize_rope(info.rope_scaling)
+    if (ckpt.config.rope_theta, ckpt.config.rope_scaling) != (info.rope_theta, scaling):
+        changes.update(rope_theta=info.rope_theta, rope_scaling=scaling)
+        notes.append(
+            f"RoPE: rope_theta {ckpt.config.rope_theta} -> {info.rope_theta}, "
+            f"rope_scaling {ckpt.config.rope_scaling} -> {scaling}"
+        )
+    if ckpt.config.max_position_embeddings != info.max_position_embeddings:
+        changes["max_position_embeddings"] = info.max_position_embeddings
+        notes.append(
+            f"max_position_embeddings {ckpt.config.max_position_embeddings} -> "
+            f"{info.max_position_embeddings}"
+        )
+    if ckpt.config.aux_layer_ids is None and ckpt.config.num_aux_states == 3:
+        changes["aux_layer_ids"] = [2, info.num_layers // 2, info.num_layers - 3]
+        notes.append(f"aux_layer_ids (HF indexing) set to the default {changes['aux_layer_ids']}")
+    config = dataclasses.replace(ckpt.config, **changes)
+    tensors = dict(ckpt.tensors)
+    embed = target.model.get_input_embeddings().weight
+    if EMBED not in tensors and tuple(embed.shape) == (config.vocab_size, config.hidden_size):
+        tensors[EMBED] = embed.detach().cpu().clone()
+        notes.append(f"{EMBED} copied from the target")
+    errors = [p for p in target_problems(config, tensors, target) if p.error]
+    if errors:
+        raise UserError(
+            f"{ckpt.source} does not fit target {info.name_or_path}:\n  "
+            + "\n  ".join(map(str, errors))
+        )
+    return Checkpoint(ckpt.format, config, tensors, ckpt.source), notes
+
+
+def load_draft(
+    path: str | Path,
+    target: Any = None,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    allow_pickle: bool = False,
+) -> Eagle3Draft:
+    """An `Eagle3Draft` from any checkpoint; with a target, fitted to it (see `fit_to_target`)."""
+    ckpt = load_checkpoint(path, allow_pickle)
+    if target is not None:
+        ckpt, notes = fit_to_target(ckpt, target)
+        for note in notes:
+            log.info("%s: %s", ckpt.source, note)
+    if EMBED not in ckpt.tensors:
+        raise UserError(
+            f"{ckpt.source}: has no {EMBED}; pass the target so its embeddings are used"
+        )
+    model = Eagle3Draft(ckpt.config)
+    model.load_state_dict(ckpt.tensors, strict=True)
+    return model.to(device=device, dtype=dtype).eval()

@@ -1,0 +1,105 @@
+"""The `eagle` layout: SafeAILab EAGLE, SpecForge, SGLang, ModelOpt export, TensorRT-LLM.
+
+`config.json` is a Llama config with `architectures: ["LlamaForCausalLMEagle3"]`
+plus `draft_vocab_size`; tensors are `midlayer.*`, `fc`, `norm`, `lm_head`,
+`d2t`, `t2d` (the `Eagle3Draft` keys as they are). Aux layer ids, when
+present, sit in `eagle_config.eagle_aux_hidden_state_layer_ids` as decoder-
+layer OUTPUT indices (SGLang adds 1), i.e. Hugging Face index - 1.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagletools.draft import DraftConfig
+from eagletools.errors import UserError
+from eagletools.formats import hfconfig
+from eagletools.formats.tensors import DEFAULT_MAX_SHARD_BYTES, read_tensors, write_tensors
+
+NAME = "eagle"
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+CONFIG = "config.json"
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # old releases saved RoPE tables; rebuilt on load
+
+
+def matches(folder: Path) -> bool:
+    cfg = folder / CONFIG
+    if not cfg.is_file():
+        return False
+    data = hfconfig.read_json(cfg)
+    return "speculators_model_type" not in data and any(
+        "Eagle3" in a for a in data.get("architectures") or []
+    )
+
+
+def to_hf_ids(eagle_ids: list[int]) -> list[int]:
+    return [i + 1 for i in eagle_ids]
+
+
+def from_hf_ids(hf_ids: list[int]) -> list[int]:
+    return [i - 1 for i in hf_ids]
+
+
+def read(folder: Path, allow_pickle: bool = False) -> tuple[DraftConfig, dict[str, torch.Tensor]]:
+    source = str(folder / CONFIG)
+    cfg = hfconfig.read_json(folder / CONFIG)
+    tensors = {
+        k: v
+        for k, v in read_tensors(folder, allow_pickle).items()
+        if not k.endswith(IGNORED_SUFFIXES)
+    }
+    fields = hfconfig.read_layer_fields(cfg, source)
+    eagle_cfg = cfg.get("eagle_config") or {}
+    ids = eagle_cfg.get("eagle_aux_hidden_state_layer_ids")
+    if ids is not None and not (isinstance(ids, list) and all(isinstance(i, int) for i in ids)):
+        raise UserError(
+            f"{source}: field 'eagle_config.eagle_aux_hidden_state_layer_ids' must be a list of ints"
+        )
+    lm_head = tensors.get("lm_head.weight")
+    fields.update(
+        draft_vocab_size=cfg.get("draft_vocab_size")
+        or (lm_head.shape[0] if lm_head is not None else fields["vocab_size"]),
+        target_hidden_size=cfg.get("target_hidden_size") or fields["hidden_size"],
+        aux_layer_ids=to_hf_ids(ids) if ids else None,
+        norm_before_residual=bool(cfg.get("norm_before_residual", False)),
+        qk_norm="midlayer.self_attn.q_norm.weight" in tensors,
+    )
+    fields["num_aux_states"] = hfconfig.aux_count(
+        fields, fields["aux_layer_ids"], tensors, cfg.get("num_aux_hidden_states")
+    )
+    return DraftConfig(**fields), tensors
+
+
+def config_dict(c: DraftConfig, dtype: str | None) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "architectures": [ARCHITECTURE],
+        "model_type": "llama",
+        **hfconfig.write_layer_fields(c, rope_parameters=False),
+        "draft_vocab_size": c.draft_vocab_size,
+        "target_hidden_size": c.target_hidden_size,
+        "num_aux_hidden_states": c.num_aux_states,
+        "norm_before_residual": c.norm_before_residual,
+        "torch_dtype": dtype,
+    }
+    if c.aux_layer_ids is not None:
+        out["eagle_config"] = {
+            "eagle_aux_hidden_state_layer_ids": from_hf_ids(c.aux_layer_ids),
+            "use_aux_hidden_state": True,
+        }
+    return out
+
+
+def write(
+    config: DraftConfig,
+    tensors: dict[str, torch.Tensor],
+    folder: Path,
+    *,
+    verifier: dict[str, Any] | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> None:
+    """Write into an existing (temporary) folder. The eagle layout has no verifier field."""
+    hfconfig.write_json(folder / CONFIG, config_dict(config, hfconfig.dtype_name(tensors)))
+    write_tensors(tensors, folder, max_shard_bytes)

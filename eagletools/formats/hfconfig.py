@@ -1,0 +1,128 @@
+"""The Llama-style decoder-layer fields both ecosystem configs share.
+
+The `eagle` config is one at top level, the `speculators` config nests one as
+`transformer_layer_config`; RoPE is either `rope_theta`/`rope_scaling`
+(transformers 4) or `rope_parameters` (transformers 5): read both, write the
+one each ecosystem writes itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from eagletools.draft import DraftConfig
+from eagletools.errors import UserError
+from eagletools.formats.validate import normalize_rope
+
+LLAMA_DEFAULT_MAX_POSITIONS = 2048  # what LlamaConfig assumes when the field is absent
+LLAMA_DEFAULT_ROPE_THETA = 10000.0
+
+
+def read_layer_fields(cfg: dict[str, Any], source: str) -> dict[str, Any]:
+    """DraftConfig fields of the decoder layer, from a Llama-style config dict."""
+    missing = [
+        k
+        for k in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
+        if cfg.get(k) is None
+    ]
+    if missing:
+        raise UserError(f"{source}: missing field(s) {missing}")
+    if cfg.get("num_hidden_layers", 1) != 1:
+        raise UserError(
+            f"{source}: field 'num_hidden_layers' is {cfg['num_hidden_layers']}; an EAGLE-3 "
+            "head has one decoder layer and eagletools loads only those"
+        )
+    for flag in ("attention_bias", "mlp_bias"):
+        if cfg.get(flag):
+            raise UserError(f"{source}: field {flag!r} is true; EAGLE-3 heads have no biases")
+    heads = cfg["num_attention_heads"]
+    params = cfg.get("rope_parameters")
+    if params:
+        theta = params.get("rope_theta", cfg.get("rope_theta", LLAMA_DEFAULT_ROPE_THETA))
+        scaling = normalize_rope(params)
+    else:
+        theta = cfg.get("rope_theta", LLAMA_DEFAULT_ROPE_THETA)
+        scaling = normalize_rope(cfg.get("rope_scaling"))
+    return dict(
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_attention_heads=heads,
+        num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        vocab_size=cfg["vocab_size"],
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(theta),
+        rope_scaling=scaling,
+        max_position_embeddings=cfg.get("max_position_embeddings", LLAMA_DEFAULT_MAX_POSITIONS),
+        hidden_act=cfg.get("hidden_act", "silu"),
+    )
+
+
+def write_layer_fields(c: DraftConfig, rope_parameters: bool) -> dict[str, Any]:
+    """The Llama-style decoder-layer fields of `c` (vocab_size is the target's)."""
+    out: dict[str, Any] = dict(
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads,
+        head_dim=c.head_dim,
+        num_hidden_layers=1,
+        hidden_act=c.hidden_act,
+        rms_norm_eps=c.rms_norm_eps,
+        max_position_embeddings=c.max_position_embeddings,
+        vocab_size=c.vocab_size,
+        attention_bias=False,
+        mlp_bias=False,
+        tie_word_embeddings=False,
+    )
+    if rope_parameters:
+        out["rope_parameters"] = {
+            "rope_type": "default",
+            **(c.rope_scaling or {}),
+            "rope_theta": c.rope_theta,
+        }
+    else:
+        out["rope_theta"] = c.rope_theta
+        out["rope_scaling"] = c.rope_scaling
+    return out
+
+
+def dtype_name(tensors: dict) -> str | None:
+    """The float dtype of the weights, as configs spell it (`float16`, ...)."""
+    for t in tensors.values():
+        if t.dtype.is_floating_point:
+            return str(t.dtype).removeprefix("torch.")
+    return None
+
+
+def aux_count(
+    fields: dict[str, Any], ids: list[int] | None, tensors: dict, given: int | None = None
+) -> int:
+    """How many aux states `fc` fuses: the ids, else a given count, else `fc`'s width."""
+    if ids:
+        return len(ids)
+    if given:
+        return given
+    fc = tensors.get("fc.weight")
+    width = fields.get("target_hidden_size") or fields["hidden_size"]
+    if fc is not None and fc.dim() == 2 and fc.shape[1] % width == 0:
+        return fc.shape[1] // width
+    return 3
+
+
+def read_json(path) -> dict[str, Any]:
+    import json
+
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise UserError(f"{path}: not a readable JSON file ({err})") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def write_json(path, data: dict[str, Any]) -> None:
+    import json
+
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")

@@ -1,0 +1,170 @@
+"""The `speculators` layout: what vLLM reads (package `speculators`, pinned to 0.9.0 here).
+
+Same tensors as `eagle` with `layers.0.*` for `midlayer.*`; `config.json` has
+`speculators_model_type: "eagle3"`, the decoder layer as a nested
+`transformer_layer_config` (llama, or qwen3 with q/k norms) whose `vocab_size`
+is the target's, and top-level `eagle_aux_hidden_state_layer_ids` in Hugging
+Face indexing. Facts pinned from speculators 0.9.0 and vLLM (tests/test_formats.py):
+- `norm_before_residual` defaults to False in speculators but to True in vLLM:
+  always written; when absent we follow vLLM, the engine this format is for.
+- speculators sizes `fc` as `num_aux * hidden_size` (it ignores
+  `target_hidden_size`), so only vLLM loads drafts whose widths differ.
+- with draft vocab == target vocab it has no `d2t`/`t2d` buffers: not written.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagletools.draft import DraftConfig
+from eagletools.errors import UserError
+from eagletools.formats import hfconfig
+from eagletools.formats.tensors import DEFAULT_MAX_SHARD_BYTES, read_tensors, write_tensors
+
+log = logging.getLogger(__name__)
+
+NAME = "speculators"
+CONFIG = "config.json"
+ARCHITECTURE = "Eagle3DraftModel"  # what speculators 0.9.0 save_pretrained writes
+SPECULATORS_VERSION = "0.9.0"
+LAYER_PREFIX = ("midlayer.", "layers.0.")
+LAYER_TYPES = {"llama": False, "qwen3": True}  # transformer_layer_config.model_type -> qk_norm
+UNSUPPORTED_FLAGS = ("norm_before_fc", "fc_norm", "norm_output")
+IGNORED_PREFIXES = ("verifier_",)  # verifier copies some versions keep; never the draft's own
+
+
+def matches(folder: Path) -> bool:
+    cfg = folder / CONFIG
+    return cfg.is_file() and "speculators_model_type" in hfconfig.read_json(cfg)
+
+
+def to_eagle_key(key: str) -> str:
+    ours, theirs = LAYER_PREFIX
+    return ours + key.removeprefix(theirs) if key.startswith(theirs) else key
+
+
+def from_eagle_key(key: str) -> str:
+    ours, theirs = LAYER_PREFIX
+    return theirs + key.removeprefix(ours) if key.startswith(ours) else key
+
+
+def read(folder: Path, allow_pickle: bool = False) -> tuple[DraftConfig, dict[str, torch.Tensor]]:
+    source = str(folder / CONFIG)
+    cfg = hfconfig.read_json(folder / CONFIG)
+    if cfg["speculators_model_type"] != "eagle3":
+        raise UserError(
+            f"{source}: field 'speculators_model_type' is {cfg['speculators_model_type']!r}; "
+            "eagletools reads only 'eagle3' speculators"
+        )
+    for flag in UNSUPPORTED_FLAGS:
+        if cfg.get(flag):
+            raise UserError(f"{source}: field {flag!r} is true; eagletools' draft has no such norm")
+    layer = cfg.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        raise UserError(f"{source}: missing field 'transformer_layer_config' (the decoder layer)")
+    layer_type = layer.get("model_type", "qwen3")  # speculators' own default class
+    if layer_type not in LAYER_TYPES:
+        raise UserError(
+            f"{source}: field 'transformer_layer_config.model_type' is {layer_type!r}; "
+            f"supported: {sorted(LAYER_TYPES)}"
+        )
+    tensors = {
+        to_eagle_key(k): v
+        for k, v in read_tensors(folder, allow_pickle).items()
+        if not k.startswith(IGNORED_PREFIXES)
+    }
+    fields = hfconfig.read_layer_fields(layer, f"{source}: transformer_layer_config")
+    if "norm_before_residual" not in cfg:
+        log.warning(
+            "%s: no 'norm_before_residual'; assuming true as vLLM does (the speculators "
+            "package assumes false): re-export with the field set",
+            source,
+        )
+    ids = cfg.get("eagle_aux_hidden_state_layer_ids") or None
+    fields.update(
+        draft_vocab_size=cfg.get("draft_vocab_size") or fields["vocab_size"],
+        target_hidden_size=cfg.get("target_hidden_size") or fields["hidden_size"],
+        aux_layer_ids=list(ids) if ids else None,
+        norm_before_residual=bool(cfg.get("norm_before_residual", True)),
+        qk_norm=LAYER_TYPES[layer_type],
+    )
+    fields["num_aux_states"] = hfconfig.aux_count(fields, ids, tensors)
+    spec = cfg.get("speculators_config") or {}
+    extra = {}
+    if spec.get("verifier"):
+        extra["verifier"] = spec["verifier"]
+    methods = spec.get("proposal_methods") or []
+    if methods and methods[0].get("speculative_tokens"):
+        extra["speculative_tokens"] = methods[0]["speculative_tokens"]
+    return DraftConfig(**fields, extra=extra), tensors
+
+
+def config_dict(
+    c: DraftConfig, dtype: str | None, verifier: dict[str, Any] | None
+) -> dict[str, Any]:
+    layer = {
+        "model_type": "qwen3" if c.qk_norm else "llama",
+        **hfconfig.write_layer_fields(c, rope_parameters=True),
+    }
+    verifier = verifier or c.extra.get("verifier") or {"name_or_path": None, "architectures": []}
+    return {
+        "architectures": [ARCHITECTURE],
+        "speculators_model_type": "eagle3",
+        "speculators_version": SPECULATORS_VERSION,
+        "transformer_layer_config": layer,
+        "draft_vocab_size": c.draft_vocab_size,
+        "norm_before_residual": c.norm_before_residual,
+        "target_hidden_size": c.target_hidden_size,
+        "eagle_aux_hidden_state_layer_ids": c.aux_layer_ids,
+        "norm_before_fc": False,
+        "fc_norm": False,
+        "norm_output": False,
+        "embed_requires_grad": False,
+        "tie_word_embeddings": False,
+        "dtype": dtype,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": c.extra.get("speculative_tokens", 3),
+                    "verifier_accept_k": 1,
+                    "accept_tolerance": 0.0,
+                }
+            ],
+            "default_proposal_method": "greedy",
+            "verifier": verifier,
+        },
+    }
+
+
+def write(
+    config: DraftConfig,
+    tensors: dict[str, torch.Tensor],
+    folder: Path,
+    *,
+    verifier: dict[str, Any] | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> None:
+    """Write into an existing (temporary) folder; `verifier` = {name_or_path, architectures}."""
+    if config.draft_vocab_size == config.vocab_size:
+        tensors = {k: v for k, v in tensors.items() if k not in ("d2t", "t2d")}
+    if config.target_hidden_size != config.hidden_size:
+        log.warning(
+            "target_hidden_size %d != hidden_size %d: vLLM loads this, the speculators "
+            "package (0.9.0) sizes fc from hidden_size and does not",
+            config.target_hidden_size,
+            config.hidden_size,
+        )
+    cfg = config_dict(config, hfconfig.dtype_name(tensors), verifier)
+    if cfg["speculators_config"]["verifier"]["name_or_path"] is None:
+        log.warning(
+            "no verifier recorded: vLLM takes the target from its command line, but the "
+            "speculators package cannot fetch the target's embeddings; pass --verifier or --target"
+        )
+    hfconfig.write_json(folder / CONFIG, cfg)
+    write_tensors({from_eagle_key(k): v for k, v in tensors.items()}, folder, max_shard_bytes)
