@@ -123,7 +123,10 @@ def _load(loader: Any, spec: str, what: str, **kwargs: Any) -> Any:
             if "gguf_file" in extra
             else "a local folder, or set HF_HUB_OFFLINE=0 with network for a hub id"
         )
-        raise UserError(f"could not load the {what} of target {spec!r}: {err}. Use {hint}") from err
+        reason = str(err).strip().rstrip(".")
+        raise UserError(
+            f"could not load the {what} of target {spec!r}: {reason}. Use {hint}"
+        ) from err
 
 
 def load_tokenizer(spec: str | Path) -> Any:
