@@ -1,0 +1,257 @@
+"""The trainer on tiny random targets: resume, bad input, trackers, the final checkpoint."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import tiny_model
+
+from eagletools.config import load_config
+from eagletools.errors import UserError
+from eagletools.target import Target, TargetInfo
+from eagletools.train import trainer as trainer_mod
+from eagletools.train.data import plan_epoch, split_indices
+from eagletools.train.trainer import Trainer, online_inputs, train
+
+
+def tiny_target(family="llama", seed=0) -> Target:
+    model = tiny_model(family, seed=seed)
+    return Target(model, None, TargetInfo.from_config(model.config, f"tiny-{family}"))
+
+
+def random_dataset(n=40, seed=0, masked=()):
+    import datasets
+
+    g = torch.Generator().manual_seed(seed)
+    rows = {"input_ids": [], "loss_mask": []}
+    for i in range(n):
+        length = int(torch.randint(8, 40, (1,), generator=g))
+        rows["input_ids"].append(torch.randint(0, 256, (length,), generator=g).tolist())
+        mask = [0] * (length // 3) + [1] * (length - length // 3)
+        rows["loss_mask"].append([0] * length if i in masked else mask)
+    return datasets.Dataset.from_dict(rows)
+
+
+def tiny_config(*overrides):
+    return load_config(
+        None,
+        [
+            "training.precision=fp32",
+            "training.batch_size=4",
+            "training.max_steps=8",
+            "training.lr=1e-3",
+            "training.ttt_steps=3",
+            "training.save_every=3",
+            "training.eval_every=4",
+            "data.eval_samples=8",
+            "vocab.draft_vocab_size=128",
+            *overrides,
+        ],
+    )
+
+
+def run(tmp_path, config, name="out", **kwargs):
+    inputs = online_inputs(config, kwargs.pop("target", None) or tiny_target(),
+                           kwargs.pop("dataset", None) or random_dataset())  # fmt: skip
+    trainer = Trainer(config, tmp_path / name, inputs, **kwargs)
+    return trainer, trainer.run()
+
+
+def test_plan_is_deterministic_and_bucketed():
+    lengths = [
+        int(x) for x in torch.randint(1, 100, (50,), generator=torch.Generator().manual_seed(0))
+    ]
+    a = plan_epoch(lengths, 4, seed=1, epoch=0, bucket_size=3)
+    assert a == plan_epoch(lengths, 4, seed=1, epoch=0, bucket_size=3)
+    assert a != plan_epoch(lengths, 4, seed=1, epoch=1, bucket_size=3)
+    assert all(len(b) == 4 for b in a) and len(a) == 12
+    flat = [i for b in a for i in b]
+    assert len(set(flat)) == len(flat)
+    for b in a:  # a batch comes from one length-sorted bucket
+        assert [lengths[i] for i in b] == sorted((lengths[i] for i in b), reverse=True)
+    train_idx, eval_idx = split_indices(50, 5, seed=0)
+    assert len(eval_idx) == 5 and not set(train_idx) & set(eval_idx)
+    with pytest.raises(UserError, match="eval_samples"):
+        split_indices(5, 5, seed=0)
+
+
+def test_train_writes_final_eagle_checkpoint_and_metrics(tmp_path):
+    from eagletools.formats import detect_format, load_checkpoint
+
+    trainer, result = run(tmp_path, tiny_config())
+    out = tmp_path / "out"
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["steps"] == 8 and len(metrics["acc"]) == 3
+    assert 1.0 <= metrics["simulated_acceptance_length"] <= 4.0
+    assert metrics["loss"] == pytest.approx(result["loss"])
+    assert detect_format(out / "final") == "eagle"
+    final = load_checkpoint(out / "final")
+    assert torch.equal(final.tensors["d2t"], trainer.vocab.d2t)
+    assert torch.equal(final.tensors["t2d"], trainer.vocab.t2d)
+    assert final.config.draft_vocab_size == 128
+    torch.testing.assert_close(final.tensors["fc.weight"].float(), trainer.draft.fc.weight)
+    assert len(list((out / "checkpoints").iterdir())) == 2  # keep_last
+
+
+def test_training_lowers_the_held_out_loss(tmp_path):
+    """With a peaked teacher (scaled lm_head) the draft has something to learn."""
+
+    def sharp_target():
+        target = tiny_target()
+        with torch.no_grad():
+            target.model.lm_head.weight.mul_(8)
+        return target
+
+    results = []
+    for steps in (1, 40):
+        config = tiny_config(f"training.max_steps={steps}", "training.eval_every=0",
+                             "training.lr=3e-3", "training.warmup_ratio=0")  # fmt: skip
+        _, r = run(tmp_path, config, f"s{steps}", target=sharp_target(), dataset=random_dataset(80))
+        results.append(r)
+    before, after = results
+    assert after["loss"] < before["loss"] - 0.5
+    assert after["acc_0"] > before["acc_0"] + 0.03
+
+
+def test_resume_follows_the_same_loss_trajectory(tmp_path):
+    config = tiny_config("training.max_steps=9", "training.save_every=3")
+    full, _ = run(tmp_path, config, "full")
+    run(tmp_path, config, "cut", stop_after=4)  # checkpoint at 3, stopped after 4
+    resumed, _ = run(tmp_path, config, "cut", resume=True)
+    want = {h["step"]: h["loss"] for h in full.history}
+    got = {h["step"]: h["loss"] for h in resumed.history}
+    assert sorted(got) == list(range(1, 10))
+    for step in range(4, 10):
+        assert abs(got[step] - want[step]) <= 1e-6, (step, got[step], want[step])
+
+
+def test_resume_refuses_another_recipe(tmp_path):
+    run(tmp_path, tiny_config("training.max_steps=3"), "r")
+    with pytest.raises(UserError, match="another recipe"):
+        run(tmp_path, tiny_config("training.max_steps=3", "training.lr=5e-4"), "r", resume=True)
+    with pytest.raises(UserError, match="no checkpoint"):
+        run(tmp_path, tiny_config(), "empty", resume=True)
+
+
+def test_all_masked_samples_are_skipped_and_counted(tmp_path):
+    dataset = random_dataset(masked={1, 5, 7})
+    _, result = run(tmp_path, tiny_config("training.max_steps=2"), dataset=dataset)
+    assert result["skipped_masked_samples"] == 3
+    assert result["train_samples"] + result["eval_samples"] == 37
+
+
+def test_empty_dataset_after_filtering(tmp_path):
+    dataset = random_dataset(n=12, masked=set(range(12)))
+    with pytest.raises(UserError, match="no training sample is left after filtering"):
+        run(tmp_path, tiny_config("data.eval_samples=2"), dataset=dataset)
+
+
+def poison(monkeypatch, bad_calls):
+    """NaN aux states in the listed calls of `features` (a corrupt batch)."""
+    real, calls = trainer_mod.features, [0]
+
+    def features(inputs, batch):
+        aux, last = real(inputs, batch)
+        calls[0] += 1
+        if calls[0] in bad_calls:
+            aux = aux.clone()
+            aux[0, 0, 0] = float("nan")
+        return aux, last
+
+    monkeypatch.setattr(trainer_mod, "features", features)
+
+
+def test_nan_step_is_skipped_and_counted(tmp_path, monkeypatch):
+    poison(monkeypatch, bad_calls={2})
+    trainer, result = run(tmp_path, tiny_config("training.max_steps=4", "training.eval_every=0"))
+    assert result["skipped_nan_steps"] == 1
+    assert all(torch.isfinite(p).all() for p in trainer.draft.parameters())
+    assert result["loss"] == result["loss"]  # the held-out loss is finite
+
+
+def test_nan_steps_in_a_row_stop_the_run(tmp_path, monkeypatch):
+    poison(monkeypatch, bad_calls=set(range(3, 100)))
+    with pytest.raises(UserError, match="not finite in 3 optimizer steps in a row"):
+        run(tmp_path, tiny_config("training.max_bad_steps=3", "training.eval_every=0"))
+
+
+def test_failed_checkpoint_write_keeps_the_previous(tmp_path, monkeypatch):
+    from eagletools.train import checkpoint
+
+    real_save, calls = torch.save, [0]
+
+    def failing_save(obj, path, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] > 2:  # the second checkpoint (two torch.save calls per checkpoint)
+            raise OSError(28, "No space left on device")
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint.torch, "save", failing_save)
+    with pytest.raises(UserError, match="No space left.*step-00000003 is intact"):
+        run(tmp_path, tiny_config())
+    ckpts = checkpoint.list_checkpoints(tmp_path / "out" / "checkpoints")
+    assert [p.name for p in ckpts] == ["step-00000003"]
+    assert not [p for p in (tmp_path / "out" / "checkpoints").iterdir() if p.name.startswith(".")]
+    monkeypatch.setattr(checkpoint.torch, "save", real_save)
+    resumed, _ = run(tmp_path, tiny_config(), resume=True)
+    assert resumed.state["step"] == 8
+
+
+def test_wandb_offline_run_holds_the_metrics(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    config = tiny_config("tracking.report_to=wandb", "training.max_steps=4", "training.log_every=1")
+    run(tmp_path, config)
+    (run_dir,) = (tmp_path / "out" / "wandb").glob("offline-run-*")
+    logged = read_wandb_history(next(run_dir.glob("*.wandb")))
+    steps = [r for r in logged if "train/acc_0" in r]
+    assert len(steps) == 4
+    assert {"train/ploss_0", "train/lr", "train/grad_norm", "train/tokens_per_s"} <= set(steps[0])
+    assert any("eval/simulated_acceptance_length" in r for r in logged)
+
+
+def wandb_records(path):
+    """Payloads of a .wandb file: a 7-byte header, then LevelDB-log records
+    (crc 4, length 2, type 1: full/first/middle/last) in 32 KiB blocks."""
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", data[:7]
+    pos, block, parts = 7, 32768, []
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:
+            pos += left
+            continue
+        length = int.from_bytes(data[pos + 4 : pos + 6], "little")
+        kind = data[pos + 6]
+        if kind == 0 and length == 0:  # zero padding to the end of a block
+            pos += left
+            continue
+        parts.append(data[pos + 7 : pos + 7 + length])
+        pos += 7 + length
+        if kind in (1, 4):  # full or last: a record is complete
+            yield b"".join(parts)
+            parts = []
+
+
+def read_wandb_history(path):
+    """The history rows (metric dicts) of an offline wandb run file."""
+    from wandb.proto import wandb_internal_pb2
+
+    rows = []
+    for payload in wandb_records(path):
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(payload)
+        if record.WhichOneof("record_type") == "history":
+            rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                         for item in record.history.item})  # fmt: skip
+    return rows
+
+
+def test_train_entry_point_with_given_target(tmp_path):
+    result = train(
+        tiny_config("training.max_steps=2"), tmp_path / "o",
+        target=tiny_target("qwen3"), dataset=random_dataset(),
+    )  # fmt: skip
+    assert result["steps"] == 2 and result["mode"] == "online"
