@@ -6,7 +6,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from eagletools.kernels.dispatch import interpreting, lazy_jit, next_pow2, tl, use_triton
+from eagletools.kernels.dispatch import interpreting, lazy_jit, next_pow2, use_triton
+
+tl = None  # triton.language, bound by lazy_jit at the first launch
 
 
 def tree_attention_reference(

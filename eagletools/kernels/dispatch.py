@@ -12,11 +12,6 @@ from collections.abc import Callable
 
 import torch
 
-try:
-    import triton.language as tl  # the kernel modules' `tl`
-except ImportError:  # no Triton wheels outside Linux: the references still work
-    tl = None
-
 
 def use_triton(*tensors: torch.Tensor) -> bool:
     """Whether the Triton kernel should run on these inputs."""
@@ -42,14 +37,17 @@ def next_pow2(x: int, floor: int = 1) -> int:
 def lazy_jit(fn: Callable) -> Callable[[], Callable]:
     """`triton.jit(fn)`, applied at first launch rather than at import.
 
-    `triton.jit` reads `TRITON_INTERPRET` when it decorates; deferring it lets
-    tests switch the interpreter on after this package was imported elsewhere.
+    Triton reads `TRITON_INTERPRET` when it is imported, so importing this
+    package never imports Triton: the kernel's module gets its `tl` here (it
+    holds `tl = None` until then). The CPU decoder never imports Triton at all.
     """
 
     @functools.cache
     def compiled():
         import triton
+        import triton.language
 
+        fn.__globals__["tl"] = triton.language
         return triton.jit(fn)
 
     return compiled

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from eagletools.kernels.dispatch import lazy_jit, next_pow2, tl, use_triton
+from eagletools.kernels.dispatch import lazy_jit, next_pow2, use_triton
+
+tl = None  # triton.language, bound by lazy_jit at the first launch
 
 
 def compact_kv_reference(

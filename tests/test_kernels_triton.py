@@ -1,16 +1,39 @@
-"""Each Triton kernel, run by the interpreter on CPU, against its reference.
+"""Each Triton kernel against its reference: in the interpreter on CPU, or
+compiled on a GPU with EAGLETOOLS_KERNEL_TEST_DEVICE=cuda (benchmarks/kernels.py --check).
 
 Inputs are drawn per test; outputs are poisoned (NaN / a sentinel) before each
 run so a kernel that skips an element fails. Tolerances: fp32 1e-5 relative,
 bf16 1e-2, integers exact.
 """
 
+# ruff: noqa: E402  (TRITON_INTERPRET must be set before the imports below)
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+DEVICE = os.environ.get("EAGLETOOLS_KERNEL_TEST_DEVICE", "cpu")
+# Triton reads TRITON_INTERPRET when it is imported. eagletools.kernels never
+# imports it before a launch, so this holds unless another test imported
+# Triton first; then this file runs again in a fresh process.
+TRITON_ALREADY_COMPILING = (
+    DEVICE == "cpu" and "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
+)
+if DEVICE == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch
-from kernel_inputs import ancestor_mask, greedy_inputs, random_tree, sampling_inputs
+from test_kernels import (
+    ancestor_mask,
+    generator,
+    greedy_inputs,
+    random_tree,
+    sampling_inputs,
+)
 
+from eagletools.kernels import compact_kv, topk_d2t, tree_attention, verify_greedy, verify_sampling
 from eagletools.kernels.attention import tree_attention_reference, tree_attention_triton
 from eagletools.kernels.dispatch import use_triton
 from eagletools.kernels.draft_topk import topk_d2t_reference, topk_d2t_triton
@@ -20,6 +43,16 @@ from eagletools.kernels.sampling_verify import verify_sampling_reference, verify
 
 SENTINEL = -7777
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=1e-2, atol=1e-2)}
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_in_this_process(request):
+    if TRITON_ALREADY_COMPILING and request.node.name != "test_kernels_in_a_fresh_process":
+        pytest.skip("Triton was imported without its interpreter: run in a fresh process")
+
+
+def on_device(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    return tuple(None if t is None else t.to(DEVICE) for t in tensors)
 
 
 def poisoned(*like: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -43,7 +76,8 @@ def assert_same_ints(got, want):
         (2, 4, 1, 5, 1, 128, torch.bfloat16),
     ],
 )
-def test_tree_attention(gen, b, hq, hkv, n, prefix, d, dtype):
+def test_tree_attention(b, hq, hkv, n, prefix, d, dtype):
+    gen = generator("test_tree_attention", b, hq, hkv, n, prefix, d, dtype)
     # q as the decoder makes it: [B,N,Hq,D] transposed, so not contiguous
     q = torch.randn(b, n, hq, d, generator=gen).to(dtype).transpose(1, 2)
     s_max = prefix + n + 9
@@ -52,20 +86,23 @@ def test_tree_attention(gen, b, hq, hkv, n, prefix, d, dtype):
     # slots past the tree are never read: NaN there would leak into the output
     k[:, :, prefix + n :] = float("nan")
     v[:, :, prefix + n :] = float("nan")
-    mask = ancestor_mask(random_tree(1, n, gen)[0])
+    q, k, v, mask = on_device(q, k, v, ancestor_mask(random_tree(1, n, gen)[0]))
     (out,) = poisoned(q)
     got = tree_attention_triton(q, k, v, prefix, mask, d**-0.5, out=out)
     assert got is out
     want = tree_attention_reference(q, k, v, prefix, mask, d**-0.5)
     torch.testing.assert_close(got, want, **TOL[dtype])
+    torch.testing.assert_close(tree_attention(q, k, v, prefix, mask, d**-0.5), want, **TOL[dtype])
 
 
 @pytest.mark.parametrize("b,n,vocab", [(1, 1, 5), (3, 2, 2), (8, 11, 4), (4, 33, 3), (2, 64, 3)])
-def test_verify_greedy(gen, b, n, vocab):
-    tokens, parents, am = greedy_inputs(b, n, vocab, gen)
+def test_verify_greedy(b, n, vocab):
+    gen = generator("test_verify_greedy", b, n, vocab)
+    tokens, parents, am = on_device(*greedy_inputs(b, n, vocab, gen))
     want = verify_greedy_reference(tokens, parents, am)
     got = verify_greedy_triton(tokens, parents, am, out=poisoned(*want))
     assert_same_ints(got, want)
+    assert_same_ints(verify_greedy(tokens, parents, am), want)
 
 
 def distinct_logits(m: int, v: int, dtype, gen: torch.Generator) -> torch.Tensor:
@@ -86,17 +123,20 @@ def distinct_logits(m: int, v: int, dtype, gen: torch.Generator) -> torch.Tensor
         (5, 300, 1, torch.bfloat16, False),  # argmax, identity vocab
     ],
 )
-def test_topk_d2t(gen, m, v, k, dtype, with_d2t):
+def test_topk_d2t(m, v, k, dtype, with_d2t):
+    gen = generator("test_topk_d2t", m, v, k, dtype, with_d2t)
     logits = distinct_logits(m, v, dtype, gen)
     d2t = torch.randint(0, 4, (v,), generator=gen).cumsum(0) if with_d2t else None
+    logits, d2t = on_device(logits, d2t)
     want = topk_d2t_reference(logits, d2t, k)
     got = topk_d2t_triton(logits, d2t, k, out=poisoned(*want))
     torch.testing.assert_close(got[0], want[0], **TOL[torch.float32])
     assert_same_ints(got[1:], want[1:])
+    assert_same_ints(topk_d2t(logits, d2t, k)[1:], want[1:])
 
 
 def test_topk_d2t_breaks_ties_by_lower_id():
-    logits = torch.tensor([[1.0, 3.0, 2.0, 3.0, 3.0, 0.0]])
+    (logits,) = on_device(torch.tensor([[1.0, 3.0, 2.0, 3.0, 3.0, 0.0]]))
     _, ids = topk_d2t_triton(logits, None, 4)
     assert ids.tolist() == [[1, 3, 4, 2]]
 
@@ -118,16 +158,21 @@ def random_paths(b: int, n: int, slots: int, gen: torch.Generator) -> torch.Tens
         (3, 2, 128, 9, 40, torch.bfloat16),
     ],
 )
-def test_compact_kv(gen, b, h, d, n, prefix, dtype):
+def test_compact_kv(b, h, d, n, prefix, dtype):
+    gen = generator("test_compact_kv", b, h, d, n, prefix, dtype)
     tree = n + 6
     k = torch.randn(b, h, prefix + tree + 4, d, generator=gen).to(dtype)
     v = torch.randn(b, h, prefix + tree + 4, d, generator=gen).to(dtype)
     k[:, :, prefix + tree :] = float("nan")  # untouched slots must stay as they are
     src = prefix + random_paths(b, n, tree, gen)
     src[src < prefix] = -1
+    k, v, src = on_device(k, v, src)
     want_k, want_v = k.clone(), v.clone()
     compact_kv_reference(want_k, want_v, src, prefix)
-    compact_kv_triton(k, v, src, prefix)
+    got_k, got_v = k.clone(), v.clone()
+    compact_kv_triton(got_k, got_v, src, prefix)
+    assert torch.equal(got_k.nan_to_num(), want_k.nan_to_num()) and torch.equal(got_v, want_v)
+    compact_kv(k, v, src, prefix)
     assert torch.equal(k.nan_to_num(), want_k.nan_to_num()) and torch.equal(v, want_v)
 
 
@@ -140,15 +185,26 @@ def test_compact_kv(gen, b, h, d, n, prefix, dtype):
         (4, 9, 3000, torch.bfloat16),
     ],
 )
-def test_verify_sampling(gen, b, n, vocab, dtype):
-    inputs = sampling_inputs(b, n, vocab, gen, dtype)
+def test_verify_sampling(b, n, vocab, dtype):
+    gen = generator("test_verify_sampling", b, n, vocab, dtype)
+    inputs = on_device(*sampling_inputs(b, n, vocab, gen, dtype))
     want = verify_sampling_reference(*inputs)
     got = verify_sampling_triton(*inputs, out=poisoned(*want))
     assert_same_ints(got, want)
+    assert_same_ints(verify_sampling(*inputs), want)
 
 
-def test_dispatch_uses_the_reference_on_cpu(monkeypatch):
-    t = torch.zeros(2)
-    assert not use_triton(t)
+def test_dispatch(monkeypatch):
+    (t,) = on_device(torch.zeros(2))
+    assert use_triton(t) == t.is_cuda
+    assert not use_triton(t, torch.zeros(2))
     monkeypatch.setenv("EAGLETOOLS_KERNELS", "reference")
     assert not use_triton(t)
+
+
+@pytest.mark.skipif(not TRITON_ALREADY_COMPILING, reason="the tests above ran in this process")
+def test_kernels_in_a_fresh_process():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout[-3000:]

@@ -1,10 +1,13 @@
-"""The PyTorch references against literal, loop-by-loop readings of their spec."""
+"""The kernels' PyTorch references against literal, loop-by-loop readings of their
+spec; the random tree inputs every kernel test draws (also test_kernels_triton.py)."""
 
 from __future__ import annotations
 
+import math
+import zlib
+
 import pytest
 import torch
-from kernel_inputs import ancestor_mask, greedy_inputs, random_tree, sampling_inputs
 
 from eagletools.kernels import (
     compact_kv,
@@ -18,6 +21,59 @@ from eagletools.kernels import (
     verify_sampling,
     verify_sampling_reference,
 )
+
+
+def generator(*key) -> torch.Generator:
+    """A generator seeded by the test's name and shape: each test draws its own inputs."""
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def random_tree(batch: int, n: int, gen: torch.Generator) -> torch.Tensor:
+    """`parents [B,N]`: root -1, every other node a random earlier parent."""
+    parents = torch.empty(batch, n, dtype=torch.long)
+    parents[:, 0] = -1
+    for j in range(1, n):
+        parents[:, j] = torch.randint(0, j, (batch,), generator=gen)
+    return parents
+
+
+def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
+    """`[N,N]` ancestor-or-self mask of one tree."""
+    n = len(parents)
+    mask = torch.eye(n, dtype=torch.bool)
+    for j in range(1, n):
+        mask[j] |= mask[parents[j]]
+    return mask
+
+
+def greedy_inputs(batch: int, n: int, vocab: int, gen: torch.Generator):
+    """Trees whose argmax often picks one of a node's children, so paths get long."""
+    parents = random_tree(batch, n, gen)
+    tokens = torch.randint(0, vocab, (batch, n), generator=gen)
+    target_argmax = torch.randint(0, vocab, (batch, n), generator=gen)
+    follow = torch.rand(batch, n, generator=gen) < 0.8
+    for b in range(batch):
+        for j in range(n):
+            kids = (parents[b] == j).nonzero().flatten()
+            if len(kids) and follow[b, j]:
+                pick = kids[torch.randint(0, len(kids), (1,), generator=gen)]
+                target_argmax[b, j] = tokens[b, pick]
+    return tokens, parents, target_argmax
+
+
+def sampling_inputs(batch: int, n: int, vocab: int, gen: torch.Generator, dtype=torch.float32):
+    """Peaked target distributions where drafted children carry most of the mass."""
+    tokens, parents, _ = greedy_inputs(batch, n, vocab, gen)
+    logits = torch.randn(batch, n, vocab, generator=gen) * 2
+    for j in range(n):
+        kids = parents == j
+        boost = torch.zeros(batch, vocab).scatter_add_(
+            1, tokens, kids.float() * (2 + math.log(vocab))
+        )
+        logits[:, j] += boost
+    probs = logits.softmax(-1).to(dtype)
+    uniforms = torch.rand(batch, n + 1, generator=gen)
+    return tokens, parents, probs, uniforms
 
 
 def naive_tree_attention(q, k_cache, v_cache, prefix_len, tree_mask, scale):
@@ -37,7 +93,8 @@ def naive_tree_attention(q, k_cache, v_cache, prefix_len, tree_mask, scale):
 
 
 @pytest.mark.parametrize("b,hq,hkv,n,prefix,d", [(1, 4, 2, 1, 1, 8), (2, 6, 2, 7, 13, 16)])
-def test_tree_attention_reference_matches_naive(gen, b, hq, hkv, n, prefix, d):
+def test_tree_attention_reference_matches_naive(b, hq, hkv, n, prefix, d):
+    gen = generator("test_tree_attention_reference_matches_naive", b, hq, hkv, n, prefix, d)
     q = torch.randn(b, hq, n, d, generator=gen)
     k = torch.randn(b, hkv, prefix + n + 5, d, generator=gen)
     v = torch.randn(b, hkv, prefix + n + 5, d, generator=gen)
@@ -47,8 +104,9 @@ def test_tree_attention_reference_matches_naive(gen, b, hq, hkv, n, prefix, d):
     torch.testing.assert_close(tree_attention(q, k, v, prefix, mask, 0.3), out)
 
 
-def test_tree_attention_on_a_chain_is_causal_attention(gen):
+def test_tree_attention_on_a_chain_is_causal_attention():
     """A chain tree is an ordinary continuation: causal attention over the sequence."""
+    gen = generator("test_tree_attention_on_a_chain_is_causal_attention")
     q = torch.randn(1, 4, 5, 8, generator=gen)
     k = torch.randn(1, 4, 9, 8, generator=gen)
     v = torch.randn(1, 4, 9, 8, generator=gen)
@@ -78,7 +136,8 @@ def naive_greedy(tokens, parents, target_argmax):
 
 
 @pytest.mark.parametrize("b,n,vocab", [(1, 1, 5), (3, 2, 2), (8, 11, 4), (4, 33, 3)])
-def test_verify_greedy_reference_matches_naive(gen, b, n, vocab):
+def test_verify_greedy_reference_matches_naive(b, n, vocab):
+    gen = generator("test_verify_greedy_reference_matches_naive", b, n, vocab)
     tokens, parents, am = greedy_inputs(b, n, vocab, gen)
     got = verify_greedy_reference(tokens, parents, am)
     for g, w in zip(got, naive_greedy(tokens, parents, am), strict=True):
@@ -95,7 +154,8 @@ def test_verify_greedy_takes_the_first_of_duplicate_children():
     assert path.tolist() == [[0, 1, -1, -1]] and n_acc.item() == 1 and bonus.item() == 1
 
 
-def test_topk_d2t_reference(gen):
+def test_topk_d2t_reference():
+    gen = generator("test_topk_d2t_reference")
     logits = torch.randn(5, 37, generator=gen)
     d2t = torch.randint(0, 3, (37,), generator=gen).cumsum(0)
     lp, ids = topk_d2t_reference(logits, d2t, 4)
@@ -107,7 +167,8 @@ def test_topk_d2t_reference(gen):
     assert torch.equal(ids_id[:, 0], logits.bfloat16().argmax(-1))
 
 
-def test_compact_kv_reference(gen):
+def test_compact_kv_reference():
+    gen = generator("test_compact_kv_reference")
     k = torch.randn(2, 3, 20, 4, generator=gen)
     v = torch.randn(2, 3, 20, 4, generator=gen)
     src = torch.tensor([[6, 7, 9, 12], [6, 8, -1, -1]])
@@ -150,7 +211,8 @@ def naive_sampling(tokens, parents, probs, uniforms):
 
 
 @pytest.mark.parametrize("b,n,vocab", [(1, 1, 7), (6, 5, 6), (5, 17, 11)])
-def test_verify_sampling_reference_matches_naive(gen, b, n, vocab):
+def test_verify_sampling_reference_matches_naive(b, n, vocab):
+    gen = generator("test_verify_sampling_reference_matches_naive", b, n, vocab)
     inputs = sampling_inputs(b, n, vocab, gen)
     got = verify_sampling_reference(*inputs)
     for g, w in zip(got, naive_sampling(*inputs), strict=True):
@@ -159,9 +221,10 @@ def test_verify_sampling_reference_matches_naive(gen, b, n, vocab):
         assert torch.equal(g, w)
 
 
-def test_verify_sampling_is_lossless(gen):
+def test_verify_sampling_is_lossless():
     """The first emitted token follows the target distribution at the root,
     whatever the drafts (here with a duplicate child and a zero-probability one)."""
+    gen = generator("test_verify_sampling_is_lossless")
     trials, vocab = 40000, 6
     tokens = torch.tensor([0, 2, 2, 5, 1, 3]).expand(trials, 6)
     parents = torch.tensor([-1, 0, 0, 0, 1, 0]).expand(trials, 6)
