@@ -1,0 +1,6 @@
+"""Our own decoding runtime: static-cache target, EAGLE-2 trees, speculative and plain decoders."""
+
+from eagletools.decode.engine import BaselineDecoder, Result, Sampling, SpeculativeDecoder
+from eagletools.decode.model import Transformer
+
+__all__ = ["BaselineDecoder", "Result", "Sampling", "SpeculativeDecoder", "Transformer"]

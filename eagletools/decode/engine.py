@@ -1,0 +1,399 @@
+"""Tree speculative decoding with an EAGLE-3 draft, and the plain baseline.
+
+Both decoders run the same `Transformer` and share prefill, prefix reuse
+across turns, sampling and stop handling, so their speed and outputs compare
+like for like. Batch size 1.
+
+Cache bookkeeping: `seq` holds every token of the conversation so far; the
+target's KV cache holds the first `target_len` of them at slots `0..`, the
+draft's cache holds entries `0..draft_len-1`, entry p made from the target's
+aux states at p and the token p+1 (design notes 3.5 alignment).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from eagletools import kernels
+from eagletools.decode.model import Transformer, extend_mask
+from eagletools.decode.tree import check_tree_shape, grow_tree, max_tree_nodes
+from eagletools.errors import UserError
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """temperature 0 is greedy; top_k 0 and top_p 1 switch those filters off."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
+            raise UserError(
+                f"sampling: need --temperature >= 0, --top-k >= 0 and 0 < --top-p <= 1, got "
+                f"{self.temperature}, {self.top_k}, {self.top_p}"
+            )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits [..., V] -> fp32 distribution after temperature, top-k, top-p (HF order)."""
+        logits = logits.float() / self.temperature
+        if self.top_k:
+            kth = logits.topk(min(self.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = logits.softmax(-1)
+        if self.top_p < 1:
+            sorted_p, order = probs.sort(-1, descending=True)
+            drop = sorted_p.cumsum(-1) - sorted_p > self.top_p  # mass before it already enough
+            probs = probs.masked_fill(drop.scatter(-1, order, drop), 0.0)
+            probs = probs / probs.sum(-1, keepdim=True)
+        return probs
+
+
+@dataclass
+class Result:
+    tokens: list[int]  # generated ids, cut at the stop
+    text: str
+    stop_reason: str  # "eos" | "max_tokens" | "stop_string" | "context"
+    prompt_tokens: int
+    reused_tokens: int  # prompt tokens whose KV came from the previous turn
+    seconds: float
+    accepted: list[int] = field(default_factory=list)  # drafts accepted per verify step
+
+    @property
+    def steps(self) -> int:
+        """Target forwards after prefill (verify steps; one per token for the baseline)."""
+        return len(self.accepted)
+
+    @property
+    def tau(self) -> float:
+        """Acceptance length: tokens per verify step, bonus included."""
+        return 1 + sum(self.accepted) / len(self.accepted) if self.accepted else 1.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.tokens) / self.seconds if self.seconds > 0 else 0.0
+
+
+class _Stopper:
+    """EOS, max tokens and stop strings; streams text as it becomes final."""
+
+    def __init__(self, tokenizer, eos: set[int], max_new_tokens: int, stop_strings, on_text):
+        self.tokenizer = tokenizer
+        self.max_new_tokens = max_new_tokens
+        self.stop_strings = [s for s in stop_strings if s]
+        if self.stop_strings and tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        self.eos = eos
+        self.on_text = on_text
+        self.tokens: list[int] = []
+        self.text = ""
+        self.streamed = 0  # characters of `text` given to on_text
+        self.reason = ""
+
+    def add(self, new_tokens: Sequence[int]) -> bool:
+        """Append tokens; True once generation must stop (the tokens are then cut)."""
+        for i, tok in enumerate(new_tokens):
+            self.tokens.append(tok)
+            if tok in self.eos:
+                self.reason = "eos"
+            elif len(self.tokens) >= self.max_new_tokens:
+                self.reason = "max_tokens"
+            elif self.stop_strings and i == len(new_tokens) - 1:
+                self._check_strings(len(new_tokens))
+            if self.reason:
+                break
+        self._emit(final=bool(self.reason))
+        return bool(self.reason)
+
+    def _check_strings(self, added: int) -> None:
+        decode = self.tokenizer.decode
+        if not any(s in decode(self.tokens, skip_special_tokens=True) for s in self.stop_strings):
+            return
+        for n in range(len(self.tokens) - added + 1, len(self.tokens) + 1):  # first hit
+            text = decode(self.tokens[:n], skip_special_tokens=True)
+            if any(s in text for s in self.stop_strings):
+                del self.tokens[n:]
+                self.reason = "stop_string"
+                return
+
+    def _emit(self, final: bool) -> None:
+        if self.tokenizer is None:
+            return
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if final and self.reason == "stop_string":
+            text = text[: min(text.find(s) for s in self.stop_strings if s in text)]
+        self.text = text
+        if not final:
+            text = text.rstrip("\ufffd")  # a multi-byte character still incomplete
+            if self.stop_strings:  # hold back what could begin a stop string
+                text = text[: len(text) - max(len(s) for s in self.stop_strings) + 1]
+        if (
+            self.on_text
+            and len(text) > self.streamed
+            and text.startswith(self.text[: self.streamed])
+        ):
+            self.on_text(text[self.streamed :])
+            self.streamed = len(text)
+
+
+END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>")
+
+
+def eos_token_ids(tokenizer) -> set[int]:
+    """The tokenizer's EOS plus the end-of-turn tokens chat templates close replies with."""
+    vocab = tokenizer.get_vocab()
+    ids = {vocab[name] for name in END_OF_TURN if name in vocab}
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+class BaselineDecoder:
+    """Plain autoregressive decoding in our runtime: one target forward per token."""
+
+    def __init__(self, model: Transformer, tokenizer, max_seq_len: int | None = None):
+        self.model = model
+        self.tokenizer = tokenizer  # None: token ids only, no text
+        self.eos_ids = eos_token_ids(tokenizer) if tokenizer is not None else set()
+        model.setup_caches(1, max_seq_len)
+        self.seq: list[int] = []
+        self.target_len = 0
+
+    def reset(self) -> None:
+        """Forget the cached conversation (the next prompt is prefilled from scratch)."""
+        self.seq, self.target_len = [], 0
+
+    def _common_prefix(self, prompt: list[int]) -> int:
+        common = 0
+        for a, b in zip(self.seq, prompt, strict=False):
+            if a != b:
+                break
+            common += 1
+        return common
+
+    def _reusable(self, prompt: list[int]) -> int:
+        """Prompt tokens whose cached KV stays valid (one at least is run again)."""
+        return min(self._common_prefix(prompt), self.target_len, len(prompt) - 1)
+
+    def _check_prompt(self, prompt: Sequence[int]) -> list[int]:
+        prompt = list(prompt)
+        if not prompt:
+            raise UserError("the prompt is empty: give at least one token of text")
+        room = self.model.cache_len - self.margin
+        if len(prompt) > room:
+            raise UserError(
+                f"the prompt has {len(prompt)} tokens but the context holds "
+                f"{self.model.cache_len} (minus {self.margin} for drafting): shorten the prompt"
+            )
+        return prompt
+
+    margin = 1
+
+    def _choose(self, logits: torch.Tensor, sampling: Sampling, generator) -> int:
+        if sampling.greedy:
+            return int(logits.argmax())
+        return int(torch.multinomial(sampling.probs(logits), 1, generator=generator))
+
+    def _prefill(self, prompt: list[int], reuse: int, aux_ids=()) -> tuple[torch.Tensor, ...]:
+        model = self.model
+        ids = torch.tensor([prompt[reuse:]], device=model.device)
+        positions = torch.arange(reuse, len(prompt), device=model.device)
+        logits, aux = model(ids, positions, reuse, aux_layer_ids=aux_ids, last_only=True)
+        self.seq, self.target_len = list(prompt), len(prompt)
+        return logits[0, -1], aux
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompt: Sequence[int],
+        max_new_tokens: int = 256,
+        sampling: Sampling = Sampling(),
+        stop_strings: Sequence[str] = (),
+        on_text: Callable[[str], None] | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Result:
+        prompt = self._check_prompt(prompt)
+        start = time.perf_counter()
+        reuse = self._reusable(prompt)
+        logits, _ = self._prefill(prompt, reuse)
+        stop = _Stopper(self.tokenizer, self.eos_ids, max_new_tokens, stop_strings, on_text)
+        token = self._choose(logits, sampling, generator)
+        self.seq.append(token)
+        steps = 0
+        while not stop.add([token]):
+            if self.target_len + 1 > self.model.cache_len:
+                stop.reason = "context"
+                break
+            pos = torch.tensor([self.target_len], device=self.model.device)
+            logits, _ = self.model(torch.tensor([[token]], device=pos.device), pos, pos.item())
+            self.target_len += 1
+            steps += 1
+            token = self._choose(logits[0, -1], sampling, generator)
+            self.seq.append(token)
+        return Result(
+            stop.tokens,
+            stop.text,
+            stop.reason,
+            len(prompt),
+            reuse,
+            time.perf_counter() - start,
+            [0] * steps,
+        )
+
+
+class SpeculativeDecoder(BaselineDecoder):
+    """EAGLE-3 tree speculative decoding (design notes 3.6), lossless."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        draft,
+        tokenizer,
+        topk: int = 8,
+        depth: int = 6,
+        num_draft_tokens: int = 32,
+        max_seq_len: int | None = None,
+    ):
+        from eagletools.draft import DraftKVCache
+
+        check_draft_fits(model, draft)
+        check_tree_shape(topk, depth, num_draft_tokens)
+        self.topk, self.depth, self.num_draft_tokens = topk, depth, num_draft_tokens
+        self.margin = num_draft_tokens + 1
+        super().__init__(model, tokenizer, max_seq_len)
+        self.draft = draft.to(model.dtype).eval()
+        self.aux_ids = tuple(draft.config.aux_layer_ids)
+        size = model.cache_len + max_tree_nodes(topk, depth)
+        self.cache = DraftKVCache.allocate(draft.config, 1, size, model.dtype, model.device)
+        identity = bool((draft.d2t == 0).all())
+        self.d2t = None if identity else draft.d2t
+        self.draft_len = 0
+
+    def reset(self) -> None:
+        super().reset()
+        self.draft_len = 0
+
+    def _reusable(self, prompt: list[int]) -> int:
+        # draft entry p also needs token p+1 to match
+        common = self._common_prefix(prompt) - 1
+        return max(0, min(common, self.target_len, self.draft_len, len(prompt) - 1))
+
+    def _draft_extend(self, aux: torch.Tensor, tokens: list[int], start: int):
+        """Draft entries start.. from the target's aux [n, A*H] and the next tokens [n]."""
+        n = len(tokens)
+        device = self.model.device
+        hidden = self.draft.fuse_aux(aux)[None]
+        ids = torch.tensor([tokens], device=device)
+        slots = torch.arange(start, start + n, device=device)
+        logits, h = self.draft.decode(hidden, ids, slots, self.cache, slots, extend_mask(start, n))
+        self.draft_len = start + n
+        return logits[0, -1], h[0, -1]
+
+    def _draft_step(self, j: int, tokens, hidden, rows):
+        base = self.draft_len
+        k = tokens.numel()
+        slots = torch.arange(base + (j - 1) * k, base + j * k, device=tokens.device)
+        positions = torch.full((k,), base + j - 1, device=tokens.device)
+        mask = torch.cat([rows.new_ones(k, base), rows], dim=1)
+        logits, h = self.draft.decode(
+            hidden[None], tokens[None], positions, self.cache, slots, mask
+        )
+        return logits[0], h[0]
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompt: Sequence[int],
+        max_new_tokens: int = 256,
+        sampling: Sampling = Sampling(),
+        stop_strings: Sequence[str] = (),
+        on_text: Callable[[str], None] | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Result:
+        prompt = self._check_prompt(prompt)
+        model = self.model
+        start = time.perf_counter()
+        reuse = self._reusable(prompt)
+        logits, aux = self._prefill(prompt, reuse, self.aux_ids)
+        stop = _Stopper(self.tokenizer, self.eos_ids, max_new_tokens, stop_strings, on_text)
+        root = self._choose(logits, sampling, generator)
+        self.seq.append(root)
+        d_logits, d_hidden = self._draft_extend(aux[0], self.seq[reuse + 1 :], reuse)
+        accepted = []
+        done = stop.add([root])
+        while not done:
+            length = self.target_len
+            if length + self.num_draft_tokens > model.cache_len:
+                stop.reason = "context"
+                break
+            tree = grow_tree(
+                self._draft_step,
+                root,
+                d_logits,
+                d_hidden,
+                self.d2t,
+                self.topk,
+                self.depth,
+                self.num_draft_tokens,
+            )
+            logits, aux = model(
+                tree.tokens[None], length + tree.depths, length, tree.mask, self.aux_ids
+            )
+            path, n_acc, bonus = self._verify(tree, logits[0], sampling, generator)
+            nodes = path[0, : int(n_acc) + 1]
+            if int(n_acc):
+                for cache in model.kv_caches():
+                    kernels.compact_kv(cache.k, cache.v, (length + nodes)[None], length)
+            new = [*tree.tokens[nodes[1:]].tolist(), int(bonus)]
+            self.seq.extend(new)
+            self.target_len = length + len(nodes)
+            accepted.append(len(new) - 1)
+            root = new[-1]
+            done = stop.add(new)
+            if not done:
+                d_logits, d_hidden = self._draft_extend(aux[0, nodes], new, length)
+        return Result(
+            stop.tokens,
+            stop.text,
+            stop.reason,
+            len(prompt),
+            reuse,
+            time.perf_counter() - start,
+            accepted,
+        )
+
+    def _verify(self, tree, logits: torch.Tensor, sampling: Sampling, generator):
+        tokens, parents = tree.tokens[None], tree.parents[None]
+        if sampling.greedy:
+            return kernels.verify_greedy(tokens, parents, logits.argmax(-1)[None])
+        uniforms = torch.rand(1, len(tree) + 1, generator=generator, device=logits.device)
+        return kernels.verify_sampling(tokens, parents, sampling.probs(logits)[None], uniforms)
+
+
+def check_draft_fits(model: Transformer, draft) -> None:
+    """A draft built for another target fails here, not with a shape error mid-decode."""
+    cfg, args = draft.config, model.args
+    problems = []
+    if cfg.target_hidden_size != args.dim:
+        problems.append(
+            f"draft target_hidden_size {cfg.target_hidden_size} != target hidden_size {args.dim}"
+        )
+    if cfg.vocab_size != args.vocab_size:
+        problems.append(f"draft vocab_size {cfg.vocab_size} != target vocab_size {args.vocab_size}")
+    ids = cfg.aux_layer_ids
+    if ids is None or any(not 0 <= i <= args.n_layers for i in ids):
+        problems.append(f"draft aux_layer_ids {ids} do not fit a {args.n_layers}-layer target")
+    if problems:
+        raise UserError(
+            "the draft does not fit the target: " + "; ".join(problems) + " (use a draft "
+            "trained for this target, or the target this draft was trained for)"
+        )

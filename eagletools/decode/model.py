@@ -1,0 +1,266 @@
+"""A gpt-fast-style Llama-family transformer for decoding, in one file.
+
+Built from a loaded Hugging Face model's weights (Llama 2/3, Qwen2/2.5 with
+qkv bias, Qwen3 with q/k norm, Mistral, SmolLM2). What HF's forward does not
+give a tree decoder cheaply: a preallocated static KV cache written at explicit
+slots, explicit RoPE positions, a custom (tree) mask over the new tokens, and
+the aux hidden states of chosen layers from the same pass. Fused q/k/v and
+gate/up projections keep the per-token Python and matmul count low on CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eagletools.errors import UserError
+from eagletools.rope import RotaryEmbedding, apply_rope
+
+SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
+
+
+@dataclass
+class ModelArgs:
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    norm_eps: float
+    max_seq_len: int  # the target's context (capped by a sliding window if any)
+    qkv_bias: bool = False
+    qk_norm: bool = False
+
+    @classmethod
+    def from_hf_config(cls, config) -> ModelArgs:
+        if config.model_type not in SUPPORTED:
+            raise UserError(
+                f"target model_type {config.model_type!r} is not supported by the decoder; "
+                f"supported: {', '.join(SUPPORTED)}"
+            )
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise UserError(f"target hidden_act {config.hidden_act!r}: only 'silu' is supported")
+        context = config.max_position_embeddings
+        window = getattr(config, "sliding_window", None)
+        layer_types = getattr(config, "layer_types", None) or []
+        slides = "sliding_attention" in layer_types or config.model_type == "mistral"
+        if window and slides:
+            context = min(context, window)  # within the window, sliding == full attention
+        return cls(
+            vocab_size=config.vocab_size,
+            dim=config.hidden_size,
+            n_layers=config.num_hidden_layers,
+            n_heads=config.num_attention_heads,
+            n_kv_heads=config.num_key_value_heads,
+            head_dim=getattr(config, "head_dim", None)
+            or config.hidden_size // config.num_attention_heads,
+            intermediate_size=config.intermediate_size,
+            norm_eps=config.rms_norm_eps,
+            max_seq_len=context,
+            qkv_bias=config.model_type == "qwen2" or bool(getattr(config, "attention_bias", 0)),
+            qk_norm=config.model_type == "qwen3",
+        )
+
+
+def extend_mask(
+    start: int, n: int, tree_mask: torch.Tensor | None = None, device=None
+) -> torch.Tensor:
+    """[n, start+n] bool: the prefix fully visible, then `tree_mask` (default causal)."""
+    if tree_mask is None:
+        tree_mask = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+    return torch.cat([tree_mask.new_ones(n, start), tree_mask], dim=1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class KVCache(nn.Module):
+    """Static K/V of one layer, [B, n_kv_heads, S_max, head_dim]."""
+
+    def __init__(self, batch: int, n_kv: int, max_len: int, head_dim: int, dtype, device):
+        super().__init__()
+        shape = (batch, n_kv, max_len, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def update(self, start: int, k: torch.Tensor, v: torch.Tensor):
+        end = start + k.shape[2]
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv, self.hd = args.n_heads, args.n_kv_heads, args.head_dim
+        qkv_out = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
+        self.wqkv = nn.Linear(args.dim, qkv_out, bias=args.qkv_bias)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        if args.qk_norm:
+            self.q_norm = RMSNorm(args.head_dim, args.norm_eps)
+            self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
+        self.kv_cache: KVCache | None = None
+
+    def forward(self, x, cos, sin, start: int, mask: torch.Tensor | None) -> torch.Tensor:
+        b, t, _ = x.shape
+        q_size, kv_size = self.n_heads * self.hd, self.n_kv * self.hd
+        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(b, t, self.n_heads, self.hd)
+        k = k.view(b, t, self.n_kv, self.hd)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)
+        k = apply_rope(k.transpose(1, 2), cos, sin)
+        v = v.view(b, t, self.n_kv, self.hd).transpose(1, 2)
+        k, v = self.kv_cache.update(start, k, v)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return self.wo(out.transpose(1, 2).reshape(b, t, q_size))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.w13 = nn.Linear(args.dim, 2 * args.intermediate_size, bias=False)
+        self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attention = Attention(args)
+        self.feed_forward = FeedForward(args)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+
+    def forward(self, x, cos, sin, start, mask):
+        h = x + self.attention(self.attention_norm(x), cos, sin, start, mask)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(args.head_dim, 10000.0, None, args.max_seq_len)
+        self.cache_len = 0
+
+    @classmethod
+    @torch.no_grad()
+    def from_hf(cls, model: nn.Module, dtype: torch.dtype | None = None) -> Transformer:
+        """Copy (and fuse) the weights of a loaded HF `*ForCausalLM`."""
+        args = ModelArgs.from_hf_config(model.config)
+        dtype = dtype or model.dtype
+        device = model.device
+        with torch.device("meta"):
+            self = cls(args)
+        self.to_empty(device=device)
+        hf = model.model
+        self.tok_embeddings.weight.copy_(hf.embed_tokens.weight)
+        self.output.weight.copy_(model.lm_head.weight)
+        self.norm.weight.copy_(hf.norm.weight)
+        for block, layer in zip(self.layers, hf.layers, strict=True):
+            a, m = layer.self_attn, layer.mlp
+            projs = (a.q_proj, a.k_proj, a.v_proj)
+            if a.o_proj.bias is not None or m.down_proj.bias is not None:
+                raise UserError("target has o_proj/MLP biases, which the decoder does not support")
+            block.attention.wqkv.weight.copy_(torch.cat([p.weight for p in projs]))
+            if args.qkv_bias:
+                block.attention.wqkv.bias.copy_(torch.cat([p.bias for p in projs]))
+            block.attention.wo.weight.copy_(a.o_proj.weight)
+            if args.qk_norm:
+                block.attention.q_norm.weight.copy_(a.q_norm.weight)
+                block.attention.k_norm.weight.copy_(a.k_norm.weight)
+            block.feed_forward.w13.weight.copy_(torch.cat([m.gate_proj.weight, m.up_proj.weight]))
+            block.feed_forward.w2.weight.copy_(m.down_proj.weight)
+            block.attention_norm.weight.copy_(layer.input_layernorm.weight)
+            block.ffn_norm.weight.copy_(layer.post_attention_layernorm.weight)
+        # The target's own RoPE frequencies, whatever its scaling type.
+        self.rotary.inv_freq.copy_(hf.rotary_emb.inv_freq)
+        self.rotary.attention_scaling = float(hf.rotary_emb.attention_scaling)
+        return self.to(dtype).eval()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.output.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.output.weight.device
+
+    def setup_caches(self, batch: int = 1, max_len: int | None = None) -> None:
+        max_len = min(max_len or self.args.max_seq_len, self.args.max_seq_len)
+        if self.layers[0].attention.kv_cache is not None and self.cache_len == max_len:
+            return
+        a = self.args
+        for block in self.layers:
+            block.attention.kv_cache = KVCache(
+                batch, a.n_kv_heads, max_len, a.head_dim, self.dtype, self.device
+            )
+        self.cache_len = max_len
+
+    def kv_caches(self) -> list[KVCache]:
+        return [block.attention.kv_cache for block in self.layers]
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        start: int,
+        tree_mask: torch.Tensor | None = None,
+        aux_layer_ids: Sequence[int] = (),
+        last_only: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run T new tokens whose K/V go to cache slots `start..start+T-1`.
+
+        input_ids [B,T]; positions [T] (RoPE). Slots `< start` are fully visible;
+        among the new tokens `tree_mask` [T,T] (True = attend; default causal)
+        decides. Returns logits [B,T,V] (or [B,1,V] with `last_only`) and the
+        hidden states at `aux_layer_ids` (HF indexing: k = input of layer k)
+        concatenated [B,T,A*H], or None.
+        """
+        t = input_ids.shape[1]
+        if start + t > self.cache_len:
+            raise UserError(
+                f"sequence of {start + t} tokens exceeds the KV cache / context of "
+                f"{self.cache_len} tokens: shorten the prompt or --max-new-tokens"
+            )
+        mask = None
+        if t > 1 or tree_mask is not None:
+            mask = extend_mask(start, t, tree_mask, self.device)
+        cos, sin = self.rotary(positions, self.dtype)
+        x = self.tok_embeddings(input_ids)
+        states = {}
+        for i, block in enumerate(self.layers):
+            if i in aux_layer_ids:
+                states[i] = x
+            x = block(x, cos, sin, start, mask)
+        states[len(self.layers)] = x
+        aux = torch.cat([states[i] for i in aux_layer_ids], dim=-1) if aux_layer_ids else None
+        if last_only:
+            x = x[:, -1:]
+        return self.output(self.norm(x)), aux

@@ -1,0 +1,199 @@
+"""Speculative decoding is lossless: greedy token equality, sampling distribution."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_model
+
+from eagletools.decode.engine import BaselineDecoder, Sampling, SpeculativeDecoder
+from eagletools.decode.model import Transformer
+from eagletools.draft import Eagle3Draft
+from eagletools.errors import UserError
+
+V = 384  # a byte tokenizer needs 259 ids
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matmuls on a shared 2-core machine: two threads spin against each other."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import ByT5Tokenizer
+
+    return ByT5Tokenizer()
+
+
+def repeat_draft(model) -> Eagle3Draft:
+    """A draft that proposes the target's own last prediction again.
+
+    fc passes the target's final pre-norm state through and the layer adds
+    nothing, so the draft's logits are the target's: accepted exactly when the
+    target repeats a token, which tiny random targets often do.
+    """
+    n = model.config.num_hidden_layers
+    draft = Eagle3Draft.from_target(model, aux_layer_ids=[n, n, n])
+    h = draft.config.hidden_size
+    with torch.no_grad():
+        draft.fc.weight.zero_()
+        draft.fc.weight[:, :h] = torch.eye(h)
+        draft.midlayer.self_attn.o_proj.weight.zero_()
+        draft.midlayer.mlp.down_proj.weight.zero_()
+    return draft
+
+
+def random_draft(model, seed=0) -> Eagle3Draft:
+    torch.manual_seed(seed)
+    n = model.config.num_hidden_layers
+    return Eagle3Draft.from_target(model, aux_layer_ids=[1, n // 2, n - 1])
+
+
+@pytest.mark.parametrize("shape", [(1, 4, 5), (4, 3, 12), (8, 4, 40)])
+def test_greedy_speculative_equals_baseline(family, shape, tokenizer):
+    model = tiny_model(family, seed=3, vocab_size=V)
+    runtime = Transformer.from_hf(model)
+    baseline = BaselineDecoder(runtime, tokenizer)
+    prompts = [list(range(10, 40)), [5, 9, 200, 17, 3, 250]]
+    expected = [baseline.generate(p, 48).tokens for p in prompts]
+    for draft, accepts in ((repeat_draft(model), True), (random_draft(model), False)):
+        spec = SpeculativeDecoder(runtime, draft, tokenizer, *shape)
+        results = [spec.generate(p, 48) for p in prompts]
+        assert [r.tokens for r in results] == expected
+        if accepts:  # the tree paths, compaction and draft refresh were exercised
+            assert max(r.tau for r in results) > 1.25
+
+
+def test_multi_turn_reuses_the_cache(tokenizer):
+    model = tiny_model("llama", seed=4, vocab_size=V)
+    runtime = Transformer.from_hf(model)
+    spec = SpeculativeDecoder(runtime, repeat_draft(model), tokenizer, 4, 3, 10)
+    turn1 = list(range(20, 50))
+    first = spec.generate(turn1, 20)
+    turn2 = turn1 + first.tokens + list(range(60, 70))
+    second = spec.generate(turn2, 20)
+    assert first.reused_tokens == 0
+    assert second.reused_tokens >= len(turn1)
+    fresh_runtime = Transformer.from_hf(model)
+    fresh = BaselineDecoder(fresh_runtime, tokenizer).generate(turn2, 20)
+    assert second.tokens == fresh.tokens
+    # a different conversation reuses only the common prefix
+    third = spec.generate(turn1[:10] + [1, 2, 3], 5)
+    assert third.reused_tokens <= 9
+
+
+def test_stops_on_eos_stop_string_and_max_tokens(tokenizer):
+    model = tiny_model("qwen3", seed=5, vocab_size=V)
+    runtime = Transformer.from_hf(model)
+    prompt = list(range(30, 60))
+    for decoder in (
+        BaselineDecoder(runtime, tokenizer),
+        SpeculativeDecoder(runtime, repeat_draft(model), tokenizer, 4, 4, 16),
+    ):
+        decoder.eos_ids = set()
+        full = decoder.generate(prompt, 40)
+        assert full.stop_reason == "max_tokens" and len(full.tokens) == 40
+        eos = full.tokens[7]
+        decoder.eos_ids = {eos}
+        cut = decoder.generate(prompt, 40)
+        first = full.tokens.index(eos)
+        assert cut.stop_reason == "eos" and cut.tokens == full.tokens[: first + 1]
+        decoder.eos_ids = set()
+        stop = full.text[10:13]
+        streamed = []
+        cut = decoder.generate(prompt, 40, stop_strings=[stop], on_text=streamed.append)
+        assert cut.stop_reason == "stop_string"
+        assert cut.text == full.text[: full.text.find(stop)]
+        assert "".join(streamed) == cut.text
+        assert stop in tokenizer.decode(cut.tokens) and stop not in tokenizer.decode(
+            cut.tokens[:-1]
+        )
+
+
+def _exact_first_tokens(model, prompt, sampling, n=3):
+    """The target's distribution over its first n sampled tokens, by enumeration."""
+    v = model.config.vocab_size
+    seqs = torch.tensor([prompt])
+    probs = torch.ones(1)
+    for _ in range(n):
+        p = sampling.probs(model(seqs).logits[:, -1])  # [S, V]
+        probs = (probs[:, None] * p).flatten()
+        seqs = torch.cat(
+            [seqs.repeat_interleave(v, 0), torch.arange(v).repeat(len(seqs))[:, None]], 1
+        )
+    return probs  # index = x1 * v^2 + x2 * v + x3
+
+
+def _chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs.double() * counts.sum()
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum()[None]]).double()
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    keep = exp > 0
+    stat = ((obs - exp)[keep] ** 2 / exp[keep]).sum()
+    dof = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0), stat / 2))
+
+
+@pytest.mark.slow
+def test_speculative_sampling_matches_target_distribution():
+    model = tiny_model("llama", seed=6, vocab_size=12, hidden_size=32, num_hidden_layers=3)
+    with torch.no_grad():  # sharper than a random init: ~40 outcomes carry 90% of the mass
+        model.lm_head.weight.mul_(12)
+    runtime = Transformer.from_hf(model)
+    prompt = [3, 1, 4, 1, 5]
+    sampling = Sampling(temperature=0.7, top_p=0.9)
+    with torch.no_grad():
+        exact = _exact_first_tokens(model, prompt, sampling)
+    draft = random_draft(model, seed=1)
+    spec = SpeculativeDecoder(runtime, draft, None, topk=3, depth=3, num_draft_tokens=8)
+    spec.eos_ids = set()
+    g = torch.Generator().manual_seed(0)
+    counts = torch.zeros_like(exact)
+    accepted = []
+    for _ in range(1500):
+        r = spec.generate(prompt, 3, sampling=sampling, generator=g)
+        x1, x2, x3 = r.tokens
+        counts[x1 * 144 + x2 * 12 + x3] += 1
+        accepted += r.accepted
+    assert 0 in accepted and max(accepted) >= 1  # both rejection and acceptance happened
+    assert _chi_square_p(counts, exact) > 0.01
+    # the test has power: the same samples reject a slightly different temperature
+    with torch.no_grad():
+        other = _exact_first_tokens(model, prompt, Sampling(temperature=0.9, top_p=0.9))
+    assert _chi_square_p(counts, other) < 1e-3
+
+
+def test_sampling_filters():
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, -3.0]])
+    p = Sampling(temperature=1.0, top_k=3).probs(logits)
+    assert (p[0, 3:] == 0).all() and torch.allclose(p.sum(), torch.tensor(1.0))
+    full = logits.softmax(-1)[0]
+    p = Sampling(temperature=1.0, top_p=0.8).probs(logits)[0]
+    kept = int((p > 0).sum())  # smallest prefix whose mass reaches 0.8
+    assert full[: kept - 1].sum() < 0.8 <= full[:kept].sum()
+    with pytest.raises(UserError, match="top-p"):
+        Sampling(temperature=1.0, top_p=0.0)
+
+
+def test_bad_inputs(tokenizer):
+    model = tiny_model("llama", vocab_size=V)
+    runtime = Transformer.from_hf(model)
+    other = tiny_model("llama", vocab_size=V, hidden_size=32)
+    with pytest.raises(UserError, match="hidden_size 32 != target hidden_size 64"):
+        SpeculativeDecoder(runtime, random_draft(other), tokenizer)
+    wrong_vocab = tiny_model("llama", vocab_size=300)
+    with pytest.raises(UserError, match="vocab_size 300 != target vocab_size 384"):
+        SpeculativeDecoder(runtime, random_draft(wrong_vocab), tokenizer)
+    with pytest.raises(UserError, match="--num-draft-tokens 64"):
+        SpeculativeDecoder(runtime, random_draft(model), tokenizer, 2, 3, 64)
+    spec = SpeculativeDecoder(runtime, random_draft(model), tokenizer, 2, 3, 8)
+    with pytest.raises(UserError, match="empty"):
+        spec.generate([], 5)
+    with pytest.raises(UserError, match="prompt has 600 tokens but the context holds 512"):
+        spec.generate([5] * 600, 5)

@@ -1,0 +1,84 @@
+"""The decode runtime against Hugging Face: logits, aux states, cache, tree masks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_model
+
+from eagletools.decode.model import Transformer
+from eagletools.decode.tree import ancestor_mask
+from eagletools.errors import UserError
+
+
+def _runtime(model, max_len=128) -> Transformer:
+    runtime = Transformer.from_hf(model)
+    runtime.setup_caches(1, max_len)
+    return runtime
+
+
+def test_logits_and_aux_match_hf(family):
+    model = tiny_model(family, seed=1)
+    runtime = _runtime(model)
+    ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(0))
+    ref = model(ids, output_hidden_states=True)
+    logits, aux = runtime(ids, torch.arange(24), 0, aux_layer_ids=[3, 1, 2])
+    assert (logits - ref.logits).abs().max() <= 1e-4
+    expected = torch.cat([ref.hidden_states[i] for i in (3, 1, 2)], dim=-1)
+    assert torch.equal(aux, expected)
+
+
+def test_incremental_decode_matches_full_forward(family):
+    model = tiny_model(family, seed=2)
+    runtime = _runtime(model)
+    ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(1))
+    ref = model(ids).logits
+    pieces = [runtime(ids[:, :12], torch.arange(12), 0)[0]]
+    for t in range(12, 20):  # one token at a time, as the baseline decodes
+        pieces.append(runtime(ids[:, t : t + 1], torch.tensor([t]), t)[0])
+    assert (torch.cat(pieces, dim=1) - ref).abs().max() <= 1e-4
+
+
+def test_tree_mask_sees_only_ancestors():
+    model = tiny_model("qwen2", seed=3)
+    runtime = _runtime(model)
+    ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(2))
+    ref = model(ids).logits
+    prefix = 16
+    runtime(ids[:, :prefix], torch.arange(prefix), 0)
+    # two branches under the root: the true continuation (nodes 0,2,4) and decoys (1,3)
+    tokens = torch.stack([ids[0, 16], torch.tensor(5), ids[0, 17], torch.tensor(7), ids[0, 18]])
+    parents = torch.tensor([-1, 0, 0, 1, 2])
+    mask = ancestor_mask(parents)
+    depths = mask.sum(1) - 1
+    assert depths.tolist() == [0, 1, 1, 2, 2]
+    logits, _ = runtime(tokens[None], prefix + depths, prefix, mask)
+    assert (logits[0, [0, 2, 4]] - ref[0, 16:19]).abs().max() <= 1e-4
+
+
+def test_sequence_beyond_the_cache_is_a_user_error():
+    runtime = _runtime(tiny_model("llama"), max_len=16)
+    with pytest.raises(UserError, match="exceeds the KV cache"):
+        runtime(torch.zeros(1, 17, dtype=torch.long), torch.arange(17), 0)
+
+
+def test_unsupported_family_is_named():
+    from transformers import AutoConfig
+
+    from eagletools.decode.model import ModelArgs
+
+    with pytest.raises(UserError, match="gpt2"):
+        ModelArgs.from_hf_config(AutoConfig.for_model("gpt2"))
+
+
+@pytest.mark.integration
+def test_smollm2_logits_match_hf():
+    from eagletools.target import load_target
+
+    target = load_target("smollm2-135m", dtype=torch.float32)
+    runtime = _runtime(target.model, max_len=256)
+    ids = target.tokenizer("The quick brown fox jumps over the lazy dog.", return_tensors="pt")
+    ids = ids.input_ids
+    ref = target.model(ids).logits
+    logits, _ = runtime(ids, torch.arange(ids.shape[1]), 0)
+    assert (logits - ref).abs().max() <= 1e-4
