@@ -113,6 +113,9 @@ CONVERSATIONS = [
     ),
     conv(("user", "You"), ("assistant", "are")),  # both inside Qwen's default system prompt
     conv(("user", "code"), ("assistant", "def f(x):\n    return x * 2\n")),
+    # replies that also occur in the template's own decoration of the turn
+    conv(("user", "think"), ("assistant", "think"), ("user", "assistant"), ("assistant", "think")),
+    conv(("user", "end"), ("assistant", "end"), ("user", "e"), ("assistant", "e")),
 ]
 
 

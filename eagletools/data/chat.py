@@ -1,10 +1,11 @@
 """Render a conversation with the tokenizer's own chat template and mask its replies.
 
 No separator of any model family is written here. The full conversation is
-rendered once; each message's text is located in it, searching from where the
-template's rendering of the messages before it ends (so a reply quoted in the
-question is never matched). Character spans become token spans through the
-fast tokenizer's offsets. A reply's mask covers its text and the end-of-turn
+rendered once, then once more per reply with that reply replaced by a
+character absent from the text: where the marker lands is where the reply
+starts, whatever the template puts around it (headers, think blocks, a reply
+quoted in the question). Character spans become token spans through the fast
+tokenizer's offsets. A reply's mask covers its text and the end-of-turn
 token: the first special token right after the text (whitespace between is
 allowed), e.g. `<|im_end|>`, `<|eot_id|>`, `</s>`.
 """
@@ -59,23 +60,22 @@ def assistant_spans(
     """The rendered text and the character span of each assistant reply's text."""
     messages = [{"role": m.role, "content": m.content} for m in conversation]
     text = _render(tokenizer, messages, chat_template, False)
-    spans, cursor = [], 0
+    mark = next(chr(c) for c in range(0xE000, 0xF900) if chr(c) not in text)
+    spans = []
     for i, msg in enumerate(conversation):
-        if i:  # where this message starts, by the template's own prefix
-            prefix = _render(tokenizer, messages[:i], chat_template, msg.role == "assistant")
-            if text.startswith(prefix):
-                cursor = max(cursor, len(prefix))
-        for needle in (msg.content, msg.content.strip()):
-            start = text.find(needle, cursor)
-            if start >= 0:
+        if msg.role != "assistant":
+            continue
+        marked = [*messages[:i], {"role": "assistant", "content": mark}, *messages[i + 1 :]]
+        rendered = _render(tokenizer, marked, chat_template, False)
+        start = rendered.find(mark)
+        if start < 0 or rendered[:start] != text[:start]:
+            raise TemplateMismatch(f"message {i}: the template renders the text before it twice")
+        for needle in (msg.content, msg.content.strip()):  # some templates trim
+            if needle and text.startswith(needle, start):
+                spans.append((start, start + len(needle)))
                 break
         else:
-            if msg.role != "assistant":
-                continue  # some templates drop or rewrite system/user text; harmless
-            raise TemplateMismatch(f"message {i} (assistant) not found in the rendered text")
-        cursor = start + len(needle)
-        if msg.role == "assistant":
-            spans.append((start, cursor))
+            raise TemplateMismatch(f"message {i}: the template changes the reply's text")
     return text, spans
 
 
