@@ -19,7 +19,10 @@ def topk_d2t_reference(
     `d2t=None` is the identity (draft vocab = target vocab).
     """
     values, ids = logits.topk(k, dim=-1)
-    logprobs = values.float() - torch.logsumexp(logits.float(), dim=-1, keepdim=True)
+    # log-sum-exp around the top-1 we already have (torch.logsumexp's own max
+    # pass is slow on CPU for one row)
+    top = values[:, :1].float()
+    logprobs = values.float() - top - (logits.float() - top).exp().sum(-1, keepdim=True).log()
     if d2t is not None:
         ids = ids + d2t[ids]
     return logprobs, ids
