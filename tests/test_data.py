@@ -154,11 +154,27 @@ def test_cli_prepare_bad_input_exits_2_and_writes_nothing(tmp_path, monkeypatch,
     assert not list((tmp_path / "cache" / "prepared").glob("[!.]*"))
 
 
-def _save_tiny_target(folder, template=None):
-    from test_data_chat import QWEN25, byte_bpe_tokenizer
+def _save_tiny_target(folder, template: str | None = "qwen2.5"):
+    from test_data_chat import TEMPLATES, byte_bpe_tokenizer
 
-    byte_bpe_tokenizer(template or QWEN25).save_pretrained(folder)
+    byte_bpe_tokenizer(TEMPLATES[template][0] if template else None).save_pretrained(folder)
     (folder / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 400}))
+
+
+def test_cli_prepare_chat_template_option(tmp_path, monkeypatch, capsys):
+    from test_data_chat import LLAMA3
+
+    monkeypatch.setenv("EAGLETOOLS_CACHE", str(tmp_path / "cache"))
+    _save_tiny_target(tmp_path / "target", template=None)
+    data = write_jsonl(tmp_path / "d.jsonl", [SHAREGPT, {"messages": []}])
+    argv = ["data", "prepare", "--target", str(tmp_path / "target"), "--data", str(data)]
+    assert main(argv) == 2
+    assert "has no chat template; pass --chat-template FILE" in capsys.readouterr().err
+    (tmp_path / "llama3.jinja").write_text(LLAMA3)
+    assert main([*argv, "--chat-template", str(tmp_path / "llama3.jinja")]) == 0
+    out = capsys.readouterr().out
+    assert "read 2 records, kept 1" in out and "dropped 1 (empty: 1)" in out
+    assert "prepared 1 samples" in out
 
 
 def test_prepare_caches_and_is_independent_of_num_proc(tmp_path, monkeypatch):

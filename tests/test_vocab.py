@@ -190,6 +190,12 @@ def test_cli_bad_size_exits_2_and_writes_nothing(tiny_target, capsys, size, mess
     assert not (tiny_target / "out").exists()
 
 
+def test_cli_missing_data_file(tiny_target, capsys):
+    (tiny_target / "d.jsonl").unlink()
+    assert main(build_argv(tiny_target, tiny_target / "out", 8)) == 2
+    assert "d.jsonl'" in capsys.readouterr().err and not (tiny_target / "out").exists()
+
+
 def test_cli_unknown_builtin_target(tmp_path, capsys):
     argv = ["vocab", "build", "--target", "smol", "--data", "sharegpt", "--size", "8"]
     assert main([*argv, "--output-dir", str(tmp_path / "out")]) == 2
