@@ -26,3 +26,22 @@ test: setup
 
 lint: setup
 	$(VENV)/bin/ruff check eagletools tests benchmarks
+
+# The real vLLM-side client: speculators 0.9.0 in its own venv (its declared
+# dependencies pull CUDA wheels; design notes 3.4), loading what we convert.
+SPEC_VENV ?= .venv-speculators
+
+$(SPEC_VENV)/.installed:
+	$(PYTHON) -m venv $(SPEC_VENV)
+	$(SPEC_VENV)/bin/pip install -q torch==2.13.0
+	$(SPEC_VENV)/bin/pip install -q "transformers>=5.0,<=5.19.0" "datasets>=4.0,<=5.1.0" \
+		safetensors pydantic pydantic-settings loguru==0.7.3 typer rich tqdm "numpy<=2.5.4" \
+		huggingface-hub click aiohttp httpx psutil protobuf openai
+	$(SPEC_VENV)/bin/pip install -q --no-deps speculators==0.9.0 hs-connectors==0.9.0
+	touch $@
+
+.PHONY: interop
+interop: setup $(SPEC_VENV)/.installed
+	rm -rf runs/interop
+	$(PY) tests/interop/make_case.py runs/interop
+	HF_HUB_OFFLINE=1 $(SPEC_VENV)/bin/python tests/interop/check_speculators.py runs/interop

@@ -68,6 +68,19 @@ def make_ckpt(dtype: torch.dtype = torch.float32, seed: int = 0, **overrides) ->
     return Checkpoint("memory", config, tensors, "memory")
 
 
+def save_target_folder(folder: Path, model) -> Path:
+    """A local HF target folder (`--target`): the model and a word-level tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(model.config.vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    model.save_pretrained(folder)
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0").save_pretrained(folder)
+    return folder
+
+
 def save_raw(folder: Path, config: dict, tensors: dict, pickle: bool = False) -> Path:
     """A checkpoint folder written the way other tools write them (not through eagletools)."""
     from safetensors.torch import save_file

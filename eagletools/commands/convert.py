@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from eagletools.errors import UserError
-    from eagletools.formats import fit_to_target, load_checkpoint, save_checkpoint
+    from eagletools.formats import fit_to_target, load_checkpoint, parse_dtype, save_checkpoint
 
     out = Path(args.out)
     if out.exists() and not args.force:
@@ -59,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
     if args.target:
         from eagletools.target import load_target, resolve_spec
 
-        target = load_target(args.target)
+        dtype = parse_dtype(args.dtype) if args.dtype else ckpt.tensors["fc.weight"].dtype
+        target = load_target(args.target, dtype=dtype)  # its embeddings in the output's dtype
         ckpt, notes = fit_to_target(ckpt, target)
         for note in notes:
             print(f"  from target: {note}")

@@ -176,8 +176,7 @@ def fit_to_target(ckpt: Checkpoint, target: Any) -> tuple[Checkpoint, list[str]]
     tensors = dict(ckpt.tensors)
     embed = target.model.get_input_embeddings().weight
     if EMBED not in tensors and tuple(embed.shape) == (config.vocab_size, config.hidden_size):
-        tensors[EMBED] = embed.detach().cpu().clone()
-        notes.append(f"{EMBED} copied from the target")
+        tensors[EMBED] = embed.detach().cpu().to(tensors["fc.weight"].dtype, copy=True)
     errors = [p for p in target_problems(config, tensors, target) if p.error]
     if errors:
         raise UserError(

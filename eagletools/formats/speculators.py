@@ -10,6 +10,9 @@ Face indexing. Facts pinned from speculators 0.9.0 and vLLM (tests/test_formats.
 - speculators sizes `fc` as `num_aux * hidden_size` (it ignores
   `target_hidden_size`), so only vLLM loads drafts whose widths differ.
 - with draft vocab == target vocab it has no `d2t`/`t2d` buffers: not written.
+- without `embed_tokens.weight` in the file, speculators 0.9.0 (transformers 5)
+  keeps uninitialised memory: its NaN sentinel for "copy the verifier's" is
+  lost in meta-device loading (seen in tests/interop), so write them for it.
 """
 
 from __future__ import annotations
@@ -159,6 +162,12 @@ def write(
             "package (0.9.0) sizes fc from hidden_size and does not",
             config.target_hidden_size,
             config.hidden_size,
+        )
+    if "embed_tokens.weight" not in tensors:
+        log.warning(
+            "no embed_tokens: vLLM uses the target's, but the speculators package (0.9.0, "
+            "transformers 5) leaves them uninitialised instead of copying the verifier's; "
+            "write them (--with-embeddings) for it"
         )
     cfg = config_dict(config, hfconfig.dtype_name(tensors), verifier)
     if cfg["speculators_config"]["verifier"]["name_or_path"] is None:

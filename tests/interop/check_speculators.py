@@ -1,0 +1,51 @@
+"""Interop step 2 (speculators venv): load each converted checkpoint with the real client,
+`speculators.models.eagle3.Eagle3DraftModel.from_pretrained`, run step 0 on the inputs of
+make_case.py, and compare draft-vocab logits with ours (fp32, must agree to 1e-5).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+from speculators.models.eagle3 import Eagle3DraftModel  # noqa: E402
+
+TOLERANCE = 1e-5
+
+
+def their_logits(folder: Path, case: dict) -> torch.Tensor:
+    model = Eagle3DraftModel.from_pretrained(str(folder), dtype=torch.float32).eval()
+    captured = []
+    model.lm_head.register_forward_hook(lambda mod, args, out: captured.append(out))
+    assert torch.equal(model.d2t, case["d2t"]) and torch.equal(model.t2d, case["t2d"]), "d2t/t2d"
+    ids = case["input_ids"]
+    with torch.no_grad():
+        model(
+            hidden_states=case["aux"],
+            input_ids=ids,
+            document_ids=torch.zeros_like(ids),
+            position_ids=case["positions"].unsqueeze(0),
+            ttt_steps=1,
+        )
+    return captured[0]
+
+
+def main(root: Path) -> int:
+    worst = 0.0
+    for case_dir in sorted(p for p in root.iterdir() if (p / "case.safetensors").is_file()):
+        case = load_file(str(case_dir / "case.safetensors"))
+        theirs = their_logits(case_dir / "draft", case)
+        diff = (theirs - case["logits"]).abs().max().item()
+        worst = max(worst, diff)
+        print(f"{case_dir.name}: logits {tuple(theirs.shape)}, max abs diff {diff:.3g}")
+    print(f"max abs difference, ours vs speculators: {worst:.3g} (tolerance {TOLERANCE})")
+    return 0 if worst <= TOLERANCE else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(Path(sys.argv[1])))

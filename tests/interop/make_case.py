@@ -1,0 +1,103 @@
+"""Interop step 1 (project venv): a tiny target, a random draft, `convert --to speculators`,
+and our module's draft-vocab logits on random inputs, all written under OUT.
+
+Step 2 (tests/interop/check_speculators.py, in the speculators venv) loads the
+converted checkpoint with `Eagle3DraftModel.from_pretrained` and compares.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from test_formats import save_target_folder  # noqa: E402
+
+from eagletools.cli import main as cli
+from eagletools.draft import DraftKVCache, Eagle3Draft
+from eagletools.formats import Checkpoint, load_draft, save_checkpoint
+from eagletools.target import load_target
+from eagletools.vocab import DraftVocab
+
+CASES = {
+    # llama3-scaled RoPE and norm_before_residual exercise the config translation
+    "llama": dict(
+        target=dict(
+            model_type="llama",
+            rope_parameters={
+                "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 1024,
+            },
+            max_position_embeddings=8192,
+        ),
+        draft=dict(norm_before_residual=True),
+    ),
+    # Qwen3-style q/k norms travel as transformer_layer_config.model_type "qwen3"
+    "qwen3": dict(target=dict(model_type="qwen3", head_dim=16), draft=dict(qk_norm=True)),
+}  # fmt: skip
+
+
+def make_target(folder: Path, model_type: str, **overrides) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        model_type, vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, **overrides,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    save_target_folder(folder, AutoModelForCausalLM.from_config(config))
+
+
+def our_logits(draft: Eagle3Draft, aux, input_ids, positions) -> torch.Tensor:
+    """Step 0 of EAGLE-3 over a whole sequence: fc(aux), one causal layer, draft-vocab logits."""
+    t = input_ids.shape[1]
+    cache = DraftKVCache.allocate(draft.config, 1, t, torch.float32, "cpu")
+    causal = torch.ones(t, t, dtype=torch.bool).tril()
+    logits, _ = draft.decode(
+        draft.fuse_aux(aux), input_ids, positions, cache, torch.arange(t), causal
+    )
+    return logits
+
+
+def make_case(out: Path, name: str) -> None:
+    spec = CASES[name]
+    make_target(out / "target", **spec["target"])
+    target = load_target(out / "target", dtype=torch.float32)
+    g = torch.Generator().manual_seed(1)
+    vocab = DraftVocab.from_selected(torch.randperm(256, generator=g)[:96], 256)
+    draft = Eagle3Draft.from_target(target.model, vocab, aux_layer_ids=[1, 3, 5], **spec["draft"])
+    with torch.no_grad():  # random everything, norms included, so no weight is trivially shared
+        for k, p in draft.named_parameters():
+            if k != "embed_tokens.weight":
+                p.copy_(
+                    torch.randn(p.shape, generator=g) * (0.05 if p.dim() == 2 else 0.3)
+                    + (p.dim() == 1)
+                )
+    tensors = {k: v for k, v in draft.state_dict().items() if k != "embed_tokens.weight"}
+    save_checkpoint(
+        Checkpoint("memory", draft.config, tensors, "memory"), out / "train", "training"
+    )
+    rc = cli(["convert", str(out / "train"), str(out / "draft"), "--to", "speculators",
+              "--target", str(out / "target"), "--with-embeddings"])  # fmt: skip
+    assert rc == 0, rc
+    ours = load_draft(out / "draft", target=target)
+    aux = torch.randn(1, 12, 3 * 64, generator=g)
+    input_ids = torch.randint(0, 256, (1, 12), generator=g)
+    positions = torch.arange(12) + 100
+    with torch.no_grad():
+        logits = our_logits(ours, aux, input_ids, positions)
+    case = {"aux": aux, "input_ids": input_ids, "positions": positions, "logits": logits}
+    save_file({**case, "d2t": ours.d2t, "t2d": ours.t2d},
+              str(out / "case.safetensors"))  # fmt: skip
+    print(f"{name}: wrote {out}")
+
+
+if __name__ == "__main__":
+    root = Path(sys.argv[1])
+    for name in CASES:
+        make_case(root / name, name)
