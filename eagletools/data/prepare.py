@@ -175,10 +175,11 @@ def prepare(
     if max_length < 2:
         raise UserError(f"--max-length must be at least 2, got {max_length}")
     template = read_chat_template(chat_template)
+    data_id = data_identity(data_spec)  # a missing file fails before the tokenizer loads
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(target_spec)
     check_tokenizer(tokenizer, template, str(target_spec))
     key = cache_key(
-        data=data_identity(data_spec),
+        data=data_id,
         tokenizer=tokenizer_identity(tokenizer, template),
         max_length=max_length,
         num_samples=num_samples,
