@@ -122,6 +122,14 @@ def test_truncated_json_array_recovers_whole_records(tmp_path):
     assert f"({cut - at} characters lost" in report.notes[0]
 
 
+def test_unclosed_json_array_loses_nothing(tmp_path):
+    path = tmp_path / "open.json"
+    path.write_text("  [" + json.dumps(SHAREGPT) + ",\n")
+    conversations, report = load_conversations(path)
+    assert conversations == EXPECTED[:1] and not report.dropped
+    assert report.notes == ["the file ends without the closing ] of its array"]
+
+
 def test_malformed_jsonl_line_names_its_number(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps(SHAREGPT) + "\n\n" + '{"messages": [\n' + json.dumps(OPENAI) + "\n")

@@ -37,7 +37,7 @@ def prepare_from_args(args: argparse.Namespace, tokenizer=None):
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = add_command(
-        subparsers, "data", "Prepare conversation data: tokenise, apply chat template, mask replies",
+        subparsers, "data", "Conversation data: tokenise with the chat template, mask replies",
         "eagletools data prepare --target smollm2-135m --data sharegpt --num-samples 2000",
     )  # fmt: skip
     sub = parser.add_subparsers(dest="data_command", metavar="ACTION", required=True)
@@ -46,7 +46,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _register_prepare(sub: argparse._SubParsersAction) -> None:
     p = add_command(
-        sub, "prepare", "Tokenise and mask a dataset once into the cache (vocab and train reuse it)",
+        sub, "prepare", "Tokenise and mask a dataset once into the cache (vocab, train reuse it)",
         "eagletools data prepare --target smollm2-135m --data sharegpt --num-samples 2000",
     )  # fmt: skip
     add_prepare_args(p)

@@ -159,34 +159,34 @@ def _iter_json_array(path: Path, report: LoadReport) -> Iterator[Any]:
     """Records of a top-level JSON array, read in chunks; a cut-off tail is reported."""
     decoder = json.JSONDecoder()
     with _open_text(path) as f:
-        buf = f.read(1 << 20).lstrip()
-        if not buf.startswith("["):
-            raise UserError(f"{path}: expected a JSON array of records or one JSON object a line")
-        buf, pos, eof, consumed = buf, 1, False, 0
+        buf = f.read(1 << 20)
+        pos = len(buf) - len(buf.lstrip()) + 1  # just after the "["
+        consumed, eof = 0, False  # characters dropped from the front of buf; end of file seen
         while True:
             while pos < len(buf) and buf[pos] in " \t\r\n,":
                 pos += 1
-            if pos < len(buf) and buf[pos] == "]":
+            if buf.startswith("]", pos):
                 return
             try:
-                record, end = decoder.raw_decode(buf, pos)
+                record, pos = decoder.raw_decode(buf, pos)
             except json.JSONDecodeError as err:
-                if eof:
-                    lost = len(buf) - pos
-                    at = consumed + pos
-                    report.notes.append(
-                        f"record at character {at} does not parse to the end of the file "
-                        f"({lost} characters lost; a file cut off mid-record?): {err.msg}"
-                    )
+                if not eof:  # the record may continue in the next chunk
+                    chunk = f.read(1 << 22)
+                    eof = not chunk
+                    consumed += pos
+                    buf, pos = buf[pos:] + chunk, 0
+                    continue
+                if pos < len(buf):
                     report.dropped["truncated_tail"] += 1
-                    return
-                chunk = f.read(1 << 22)
-                eof = not chunk
-                consumed += pos
-                buf, pos = buf[pos:] + chunk, 0
-                continue
+                    report.notes.append(
+                        f"record at character {consumed + pos} does not parse to the end of the "
+                        f"file ({len(buf) - pos} characters lost; a file cut off mid-record?): "
+                        f"{err.msg}"
+                    )
+                else:
+                    report.notes.append("the file ends without the closing ] of its array")
+                return
             yield record
-            pos = end
 
 
 def _iter_jsonl(path: Path) -> Iterator[Any]:
