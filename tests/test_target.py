@@ -46,6 +46,20 @@ def test_default_aux_layer_ids():
         default_aux_layer_ids(3)
 
 
+def test_target_info_rope_fields():
+    from conftest import tiny_config
+
+    from eagletools.target import TargetInfo
+
+    llama3 = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 256}  # fmt: skip
+    info = TargetInfo.from_config(tiny_config("llama", rope_parameters=llama3), "x")
+    assert info.rope_theta == 5e5 and info.rope_scaling["rope_type"] == "llama3"
+    assert "rope_theta" not in info.rope_scaling and info.rope_scaling["factor"] == 8.0
+    info = TargetInfo.from_config(tiny_config("qwen2", rope_theta=1e6), "x")
+    assert (info.rope_theta, info.rope_scaling, info.architecture) == (1e6, None, "qwen2")
+
+
 def test_capture_aux_rejects_out_of_range_ids():
     model = tiny_model("llama")
     with pytest.raises(UserError, match=r"\[5\].*0\.\.4"):

@@ -42,12 +42,14 @@ class TargetInfo:
         cls, config: Any, name_or_path: str, tokenizer: Any = None, architecture: str | None = None
     ) -> TargetInfo:
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        rope = dict(getattr(text, "rope_parameters", None) or {})
-        rope_theta = rope.pop("rope_theta", None) or getattr(text, "rope_theta", 10000.0)
-        if rope.get("rope_type", "default") == "default":
-            rope_scaling = getattr(text, "rope_scaling", None) if not rope else None
-        else:
-            rope_scaling = rope
+        # transformers 5: rope_parameters holds rope_theta and any scaling;
+        # earlier: rope_theta beside an optional rope_scaling dict
+        rope = dict(
+            getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+        )
+        rope_theta = rope.pop("rope_theta", getattr(text, "rope_theta", 10000.0))
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        rope_scaling = rope if kind != "default" else None
         heads = text.num_attention_heads
         return cls(
             name_or_path=name_or_path,
