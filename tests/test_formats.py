@@ -197,7 +197,7 @@ ROUND_TRIP_CONFIGS = [
     dict(aux_layer_ids=[1, 3, 4], norm_before_residual=True, rope_theta=500000.0,
          rope_scaling=LLAMA3_ROPE, max_position_embeddings=131072, rms_norm_eps=1e-5),
     dict(aux_layer_ids=[2, 2, 1], qk_norm=True, target_hidden_size=48, draft_vocab_size=256),
-    dict(aux_layer_ids=None, num_aux_states=2),
+    dict(aux_layer_ids=None, rope_scaling={"rope_type": "linear", "factor": 2.0}),
 ]  # fmt: skip
 
 
@@ -481,6 +481,26 @@ def test_save_refuses_to_overwrite_and_checks_first(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["o"]  # no temp folder left
     save_checkpoint(make_ckpt(seed=1), tmp_path / "o", "eagle", overwrite=True)
     assert (tmp_path / "o/model.safetensors").read_bytes() != before
+
+
+def test_aux_count_without_ids(tmp_path):
+    """Without ids engines assume 3 states; eagle can state another count, speculators not."""
+    ckpt = make_ckpt(aux_layer_ids=None, num_aux_states=2)
+    save_checkpoint(ckpt, tmp_path / "e", "eagle")
+    assert read_json(tmp_path / "e/config.json")["num_aux_hidden_states"] == 2
+    assert load_checkpoint(tmp_path / "e").config.num_aux_states == 2
+    with pytest.raises(UserError, match="needs its aux layer ids in the speculators format"):
+        save_checkpoint(ckpt, tmp_path / "s", "speculators")
+    assert not (tmp_path / "s").exists()
+    cfg = read_json(tmp_path / "e/config.json")
+    del cfg["num_aux_hidden_states"]
+    (tmp_path / "e/config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UserError, match=r"'fc.weight' has shape \[64, 128\], expected \[64, 192\]"):
+        load_checkpoint(tmp_path / "e")
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(path.read_text())
 
 
 def test_spec_format_key_map_is_a_bijection():

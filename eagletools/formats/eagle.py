@@ -67,9 +67,7 @@ def read(folder: Path, allow_pickle: bool = False) -> tuple[DraftConfig, dict[st
         norm_before_residual=bool(cfg.get("norm_before_residual", False)),
         qk_norm="midlayer.self_attn.q_norm.weight" in tensors,
     )
-    fields["num_aux_states"] = hfconfig.aux_count(
-        fields, fields["aux_layer_ids"], tensors, cfg.get("num_aux_hidden_states")
-    )
+    fields["num_aux_states"] = hfconfig.aux_count(ids, cfg.get("num_aux_hidden_states"))
     return DraftConfig(**fields), tensors
 
 

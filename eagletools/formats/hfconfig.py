@@ -95,19 +95,13 @@ def dtype_name(tensors: dict) -> str | None:
     return None
 
 
-def aux_count(
-    fields: dict[str, Any], ids: list[int] | None, tensors: dict, given: int | None = None
-) -> int:
-    """How many aux states `fc` fuses: the ids, else a given count, else `fc`'s width."""
-    if ids:
-        return len(ids)
-    if given:
-        return given
-    fc = tensors.get("fc.weight")
-    width = fields.get("target_hidden_size") or fields["hidden_size"]
-    if fc is not None and fc.dim() == 2 and fc.shape[1] % width == 0:
-        return fc.shape[1] // width
-    return 3
+def aux_count(ids: list[int] | None, given: int | None = None) -> int:
+    """How many aux states `fc` fuses: the ids, else a stated count, else 3 as engines assume.
+
+    Never inferred from `fc`'s width: a checkpoint whose config leaves the
+    engines to assume 3 must hold a 3-state `fc`, and the shape check says so.
+    """
+    return len(ids) if ids else given or 3
 
 
 def read_json(path) -> dict[str, Any]:

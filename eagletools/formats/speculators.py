@@ -95,7 +95,7 @@ def read(folder: Path, allow_pickle: bool = False) -> tuple[DraftConfig, dict[st
         norm_before_residual=bool(cfg.get("norm_before_residual", True)),
         qk_norm=LAYER_TYPES[layer_type],
     )
-    fields["num_aux_states"] = hfconfig.aux_count(fields, ids, tensors)
+    fields["num_aux_states"] = hfconfig.aux_count(ids)
     spec = cfg.get("speculators_config") or {}
     extra = {}
     if spec.get("verifier"):
@@ -154,6 +154,12 @@ def write(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> None:
     """Write into an existing (temporary) folder; `verifier` = {name_or_path, architectures}."""
+    if config.aux_layer_ids is None and config.num_aux_states != 3:
+        raise UserError(
+            f"a draft fusing {config.num_aux_states} aux states needs its aux layer ids in the "
+            "speculators format (vLLM assumes 3 without them); convert with --target to "
+            "record the defaults, or retrain with explicit ids"
+        )
     if config.draft_vocab_size == config.vocab_size:
         tensors = {k: v for k, v in tensors.items() if k not in ("d2t", "t2d")}
     if config.target_hidden_size != config.hidden_size:

@@ -135,8 +135,10 @@ def target_problems(
             f"{config.hidden_size}: engines fall back to the target's and fail",
             "ship the draft's own embeddings in the checkpoint",
         ))  # fmt: skip
-    elif draft_embed is not None and not torch.equal(
-        draft_embed.to(embed.dtype), embed.detach().cpu()
+    elif (
+        draft_embed is not None
+        and draft_embed.shape == embed.shape
+        and not torch.equal(draft_embed.to(embed.dtype), embed.detach().cpu())
     ):
         out.append(Problem(
             "embed_tokens",
