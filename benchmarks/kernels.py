@@ -9,6 +9,9 @@ move over this GPU's measured copy bandwidth.
     python benchmarks/kernels.py            # the table (needs CUDA)
     python benchmarks/kernels.py --check    # the kernel tests first (compiled on a
                                             # GPU, in the Triton interpreter on CPU)
+    python benchmarks/kernels.py --compile-only [--arch 90]
+        # no GPU needed: compile every kernel for sm_90 at the table's shapes with
+        # Triton's bundled ptxas; reports registers and spills
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from eagletools.kernels import attention, draft_topk, greedy_verify, kv_compact, sampling_verify
 from eagletools.kernels.attention import tree_attention_reference, tree_attention_triton
 from eagletools.kernels.draft_topk import topk_d2t_reference, topk_d2t_triton
 from eagletools.kernels.greedy_verify import verify_greedy_reference, verify_greedy_triton
@@ -182,6 +186,116 @@ def copy_bandwidth(device) -> float:
     return 2 * src.nbytes / (ms * 1e-3)
 
 
+def meta_launches() -> list[tuple[str, object, str, Callable[[], object]]]:
+    """`(kernel, module, jit attribute, launch)`: the table's shapes as meta tensors."""
+    meta = dict(device="meta")
+    bf16 = dict(device="meta", dtype=torch.bfloat16)
+    launches = []
+    for n, prefix, d, dt in [(16, 1, 128, torch.bfloat16), (128, 8192, 128, torch.bfloat16),
+                             (7, 13, 24, torch.float32), (64, 100, 64, torch.float16)]:  # fmt: skip
+        q = torch.empty(1, HQ, n, d, device="meta", dtype=dt)
+        kv = torch.empty(1, HKV, prefix + n, d, device="meta", dtype=dt)
+        mask = torch.empty(n, n, device="meta", dtype=torch.bool)
+        launch = (q, kv, kv, prefix, mask, d**-0.5)
+        launches.append((f"tree_attention N={n} D={d} {dt}", attention, "_tree_attention_jit",
+                         lambda a=launch: tree_attention_triton(*a)))  # fmt: skip
+    trees = torch.empty(64, 64, dtype=torch.long, **meta)
+    launches.append(("verify_greedy N=64", greedy_verify, "_verify_greedy_jit",
+                     lambda: verify_greedy_triton(trees, trees, trees)))  # fmt: skip
+    for m, k in [(1, 1), (64, 8)]:
+        logits = torch.empty(m, DRAFT_VOCAB, **bf16)
+        d2t = torch.empty(DRAFT_VOCAB, dtype=torch.long, **meta)
+        launches.append((f"topk_d2t M={m} k={k}", draft_topk, "_topk_d2t_jit",
+                         lambda a=(logits, d2t, k): topk_d2t_triton(*a)))  # fmt: skip
+    cache = torch.empty(64, HKV, 4096, HEAD_DIM, **bf16)
+    src = torch.empty(64, 8, dtype=torch.long, **meta)
+    launches.append(("compact_kv", kv_compact, "_compact_kv_jit",
+                     lambda: compact_kv_triton(cache, cache, src, 2048)))  # fmt: skip
+    probs = torch.empty(16, 64, TARGET_VOCAB, **meta)
+    uniforms = torch.empty(16, 65, **meta)
+    launches.append(("verify_sampling N=64", sampling_verify, "_verify_sampling_jit",
+                     lambda: verify_sampling_triton(trees[:16], trees[:16], probs, uniforms)))  # fmt: skip
+    return launches
+
+
+def compile_only(arch: int) -> int:
+    """Compile each kernel as its wrapper would launch it, for `sm_<arch>`, no GPU needed.
+
+    Catches what the interpreter cannot (loop-carried types, unsupported ops,
+    register spills). Arguments are specialised as Triton does at launch (ints
+    equal to 1 become constants, pointers and multiples of 16 16-aligned).
+    """
+    import tempfile
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("--compile-only compiles for a GPU: unset TRITON_INTERPRET", file=sys.stderr)
+        return 2
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    types = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
+             torch.int64: "i64", torch.int32: "i32", torch.uint8: "u8", torch.bool: "i1"}  # fmt: skip
+    cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
+    failed = 0
+    for name, module, attr, launch in meta_launches():
+        jit = getattr(module, attr)()
+        calls = []
+        setattr(module, attr, lambda calls=calls: _Recorder(calls))
+        try:
+            launch()
+        finally:
+            setattr(module, attr, lambda jit=jit: jit)
+        args, kwargs = calls[0]
+        options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+        signature, constexprs, attrs = {}, dict(kwargs), {}
+        params = [p for p in jit.arg_names if p not in kwargs]
+        for param, value in zip(params, args, strict=True):
+            if isinstance(value, torch.Tensor):
+                signature[param] = "*" + types[value.dtype]
+                attrs[(jit.arg_names.index(param),)] = [["tt.divisibility", 16]]
+            elif isinstance(value, float):
+                signature[param] = "fp32"
+            elif value == 1:
+                signature[param], constexprs[param] = "constexpr", 1
+            else:
+                signature[param] = "i32" if abs(value) < 2**31 else "i64"
+                if value % 16 == 0:
+                    attrs[(jit.arg_names.index(param),)] = [["tt.divisibility", 16]]
+        signature.update({k: "constexpr" for k in kwargs})
+        signature = {p: signature[p] for p in jit.arg_names}
+        try:
+            compiled = triton.compile(
+                ASTSource(jit, signature, constexprs=constexprs, attrs=attrs),
+                target=GPUTarget("cuda", arch, 32),
+                options=options,
+            )
+        except Exception as err:  # report every kernel, then fail
+            print(f"{name:36} FAILED: {err}")
+            failed += 1
+            continue
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(compiled.asm["cubin"])
+            f.flush()
+            usage = subprocess.run(
+                [str(cuobjdump), "--dump-resource-usage", f.name], capture_output=True, text=True
+            ).stdout
+        line = next((x.strip() for x in usage.splitlines() if "REG:" in x), "")
+        spills = "  register spills" if "STACK:0 " not in line else ""
+        print(f"{name:36} sm_{arch} ok  {line.split(' SHARED')[0]}{spills}")
+    return int(failed > 0)
+
+
+class _Recorder:
+    """Stands in for a jitted kernel: `kernel[grid](*args, **kwargs)` records the call."""
+
+    def __init__(self, calls: list):
+        self.calls = calls
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append((args, kwargs))
+
+
 def run_tests(device: str) -> int:
     env = dict(os.environ, EAGLETOOLS_KERNEL_TEST_DEVICE=device)
     if device == "cpu":
@@ -197,7 +311,11 @@ def main() -> int:
     parser.add_argument(
         "--only", nargs="*", default=None, help="kernels to time (default: all five)"
     )
+    parser.add_argument("--compile-only", action="store_true", help="compile for --arch, no GPU")
+    parser.add_argument("--arch", type=int, default=90, help="compute capability (90: H100/H200)")
     args = parser.parse_args()
+    if args.compile_only:
+        return compile_only(args.arch)
     cuda = torch.cuda.is_available()
     if args.check:
         code = run_tests("cuda" if cuda else "cpu")

@@ -144,12 +144,14 @@ def tree_attention_triton(
         out = torch.empty_like(q)
     mask = tree_mask.view(torch.uint8) if tree_mask.dtype == torch.bool else tree_mask
     block_m = min(64, next_pow2(group * n, floor=16))
+    block_d = next_pow2(d, floor=16)
     grid = (-(-group * n // block_m), b * h_kv)
     _tree_attention_jit()[grid](
         q, k_cache, v_cache, mask, out, prefix_len, n, scale * 1.4426950408889634,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), *mask.stride(),
-        h_kv, group, d, BLOCK_M=block_m, BLOCK_N=64, BLOCK_D=next_pow2(d, floor=16),
+        h_kv, group, d, BLOCK_M=block_m, BLOCK_N=64, BLOCK_D=block_d,
         PRECISION="ieee" if q.dtype == torch.float32 or interpreting() else "tf32",
         DOT_F32=interpreting(),
+        num_warps=8 if block_m * block_d >= 64 * 128 else 4,  # 4 spill registers on sm_90
     )  # fmt: skip
     return out
