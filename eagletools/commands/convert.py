@@ -36,12 +36,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="speculators: verifier name_or_path to record (default: --target, else the source's)",
     )
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    add_allow_pickle(p)
+    p.set_defaults(func=run)
+
+
+def add_allow_pickle(p: argparse.ArgumentParser) -> None:
+    """The opt-in every command reading checkpoints offers."""
     p.add_argument(
         "--allow-pickle",
         action="store_true",
         help="read pytorch_model.bin (a pickle: only from a source you trust)",
     )
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from eagletools.commands import add_command
+from eagletools.commands.convert import add_allow_pickle
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -18,11 +19,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("ckpt", help="checkpoint folder (format detected)")
     p.add_argument("--target", help="check compatibility with this target")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument(
-        "--allow-pickle",
-        action="store_true",
-        help="read pytorch_model.bin (a pickle: only from a source you trust)",
-    )
+    add_allow_pickle(p)
     p.set_defaults(func=run)
 
 
