@@ -75,6 +75,7 @@ def assert_same_ints(got, want):
         (1, 8, 2, 19, 70, 32, torch.float32),  # 4 heads x 19 nodes span two row blocks
         (1, 4, 4, 33, 100, 64, torch.bfloat16),
         (2, 4, 1, 5, 1, 128, torch.bfloat16),
+        (1, 4, 1, 128, 3, 16, torch.float32),  # the largest tree: 512 rows, 8 row blocks
     ],
 )
 def test_tree_attention(b, hq, hkv, n, prefix, d, dtype):
@@ -119,6 +120,7 @@ def distinct_logits(m: int, v: int, dtype, gen: torch.Generator) -> torch.Tensor
     [
         (1, 1, 1, torch.float32, True),
         (3, 37, 5, torch.float32, True),
+        (2, 50, 10, torch.float32, True),  # k not a power of two
         (4, 5003, 3, torch.float32, True),  # two blocks of 4096
         (2, 1000, 8, torch.bfloat16, True),
         (5, 300, 1, torch.bfloat16, False),  # argmax, identity vocab
