@@ -6,8 +6,8 @@ character absent from the text: where the marker lands is where the reply
 starts, whatever the template puts around it (headers, think blocks, a reply
 quoted in the question). Character spans become token spans through the fast
 tokenizer's offsets. A reply's mask covers its text and the end-of-turn
-token: the first special token right after the text (whitespace between is
-allowed), e.g. `<|im_end|>`, `<|eot_id|>`, `</s>`.
+token: the first special token right after the text, e.g. `<|im_end|>`,
+`<|eot_id|>`, `</s>`, with any whitespace the template puts before it.
 """
 
 from __future__ import annotations
@@ -101,7 +101,11 @@ def tokenize_conversation(
         while t < len(ids) and offsets[t][0] < end:
             mask[t] = 1
             t += 1
-        if t < len(ids) and ids[t] in special and not text[end : offsets[t][0]].strip():
-            mask[t] = 1  # the end-of-turn token
-            t += 1
+        # the end-of-turn token, with the whitespace some templates put before it
+        u = t
+        while u < len(ids) and ids[u] not in special and not text[end : offsets[u][1]].strip():
+            u += 1
+        if u < len(ids) and ids[u] in special and not text[end : offsets[u][0]].strip():
+            mask[t : u + 1] = [1] * (u + 1 - t)
+            t = u + 1
     return ids[:max_length], mask[:max_length]

@@ -30,7 +30,7 @@ from eagletools.errors import UserError
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2  # bump when tokenisation or masking changes, to invalidate caches
+FORMAT_VERSION = 3  # bump when tokenisation or masking changes, to invalidate caches
 
 
 def _sha256_file(path: Path) -> str:
