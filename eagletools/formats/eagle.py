@@ -30,8 +30,10 @@ def matches(folder: Path) -> bool:
     if not cfg.is_file():
         return False
     data = hfconfig.read_json(cfg)
-    return "speculators_model_type" not in data and any(
-        "Eagle3" in a for a in data.get("architectures") or []
+    archs = data.get("architectures") or []
+    # some exports keep a plain Llama architecture but carry draft_vocab_size
+    return "speculators_model_type" not in data and (
+        any("Eagle3" in a for a in archs) or "draft_vocab_size" in data
     )
 
 

@@ -35,7 +35,38 @@ def their_logits(folder: Path, case: dict) -> torch.Tensor:
     return captured[0]
 
 
+def check_pinned_facts() -> None:
+    """What eagletools.formats.speculators relies on, asserted against the installed package."""
+    from speculators.models.eagle3 import Eagle3SpeculatorConfig
+    from transformers import LlamaConfig
+
+    fields = Eagle3SpeculatorConfig.model_fields
+    # vLLM reads a missing norm_before_residual as True, this package as False: always write it
+    assert fields["norm_before_residual"].default is False
+    layer = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=256,
+        num_hidden_layers=1,
+    )
+    config = Eagle3SpeculatorConfig(
+        transformer_layer_config=layer,
+        draft_vocab_size=100,
+        target_hidden_size=32,
+        eagle_aux_hidden_state_layer_ids=[1, 2, 3],
+    )
+    # fc is sized from hidden_size alone: target_hidden_size != hidden_size does not load here
+    assert Eagle3DraftModel(config).fc.in_features == 3 * 64
+    print(
+        "pinned facts hold: norm_before_residual defaults to False; fc ignores target_hidden_size"
+    )
+
+
 def main(root: Path) -> int:
+    check_pinned_facts()
     worst = 0.0
     for case_dir in sorted(p for p in root.iterdir() if (p / "case.safetensors").is_file()):
         case = load_file(str(case_dir / "case.safetensors"))
