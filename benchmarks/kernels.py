@@ -196,7 +196,7 @@ def meta_launches() -> list[tuple[str, object, str, Callable[[], object]]]:
         q = torch.empty(1, HQ, n, d, device="meta", dtype=dt)
         kv = torch.empty(1, HKV, prefix + n, d, device="meta", dtype=dt)
         mask = torch.empty(n, n, device="meta", dtype=torch.bool)
-        launch = (q, kv, kv, prefix, mask, d**-0.5)
+        launch = (q, kv, kv, prefix if n != 128 else torch.tensor(prefix, **meta), mask, d**-0.5)
         launches.append((f"tree_attention N={n} D={d} {dt}", attention, "_tree_attention_jit",
                          lambda a=launch: tree_attention_triton(*a)))  # fmt: skip
     trees = torch.empty(64, 64, dtype=torch.long, **meta)

@@ -95,6 +95,9 @@ def test_tree_attention(b, hq, hkv, n, prefix, d, dtype):
     want = tree_attention_reference(q, k, v, prefix, mask, d**-0.5)
     torch.testing.assert_close(got, want, **TOL[dtype])
     torch.testing.assert_close(tree_attention(q, k, v, prefix, mask, d**-0.5), want, **TOL[dtype])
+    (prefix_on_device,) = on_device(torch.tensor(prefix))  # as a CUDA graph passes it
+    got = tree_attention_triton(q, k, v, prefix_on_device, mask, d**-0.5, out=poisoned(q)[0])
+    torch.testing.assert_close(got, want, **TOL[dtype])
 
 
 @pytest.mark.parametrize("b,n,vocab", [(1, 1, 5), (3, 2, 2), (8, 11, 4), (4, 33, 3), (2, 64, 3)])

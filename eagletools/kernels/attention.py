@@ -15,7 +15,7 @@ def tree_attention_reference(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    prefix_len: int,
+    prefix_len: int | torch.Tensor,
     tree_mask: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
@@ -25,8 +25,11 @@ def tree_attention_reference(
     `k_cache`/`v_cache [B,Hkv,S_max,D]`; the prefix is fully visible, the tree
     part follows `tree_mask [N,N]` (True = query may see key: ancestor-or-self).
     GQA maps query head h to KV head `h // (Hq // Hkv)`. SDPA accumulates in
-    fp32 for half inputs.
+    fp32 for half inputs. `prefix_len` may be a 0-d device tensor, which the
+    kernel reads on the device so that a captured CUDA graph replays with new
+    lengths.
     """
+    prefix_len = int(prefix_len)
     n = q.shape[2]
     end = prefix_len + n
     mask = torch.ones(n, end, dtype=torch.bool, device=q.device)
@@ -45,26 +48,30 @@ def tree_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    prefix_len: int,
+    prefix_len: int | torch.Tensor,
     tree_mask: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
     """`tree_attention_reference`, as one Triton launch on CUDA."""
-    if use_triton(q, k_cache, v_cache, tree_mask):
+    on_device = (prefix_len,) if isinstance(prefix_len, torch.Tensor) else ()
+    if use_triton(q, k_cache, v_cache, tree_mask, *on_device):
         return tree_attention_triton(q, k_cache, v_cache, prefix_len, tree_mask, scale)
     return tree_attention_reference(q, k_cache, v_cache, prefix_len, tree_mask, scale)
 
 
 def _tree_attention_kernel(
-    Q, K, V, MASK, OUT, prefix_len, n, scale_log2e,
+    Q, K, V, MASK, OUT, PREFIX, n, scale_log2e,
     s_qb, s_qh, s_qn, s_qd, s_kb, s_kh, s_ks, s_kd,
     s_vb, s_vh, s_vs, s_vd, s_ob, s_oh, s_on, s_od, s_mq, s_mk,
     H_KV, GROUP: tl.constexpr, D, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+    PREFIX_IN_MEMORY: tl.constexpr,
 ):  # fmt: skip
     # Flash attention with the GQA group's query heads stacked as rows
     # (row r = head offset r // n, node r % n), so each K/V block is read once
     # per group; online softmax in fp32, exp2 with the scale folded in.
+    # a prefix length read on the device lets CUDA graphs replay with new lengths
+    prefix_len = tl.load(PREFIX).to(tl.int32) if PREFIX_IN_MEMORY else PREFIX
     pid_m = tl.program_id(0)
     b = tl.program_id(1) // H_KV
     hk = tl.program_id(1) % H_KV
@@ -131,7 +138,7 @@ def tree_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    prefix_len: int,
+    prefix_len: int | torch.Tensor,
     tree_mask: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
@@ -152,6 +159,7 @@ def tree_attention_triton(
         h_kv, group, d, BLOCK_M=block_m, BLOCK_N=64, BLOCK_D=block_d,
         PRECISION="ieee" if q.dtype == torch.float32 or interpreting() else "tf32",
         DOT_F32=interpreting(),
+        PREFIX_IN_MEMORY=isinstance(prefix_len, torch.Tensor),
         num_warps=8 if block_m * block_d >= 64 * 128 else 4,  # 4 spill registers on sm_90
     )  # fmt: skip
     return out
