@@ -42,7 +42,9 @@ def write_jsonl(path, records):
     return path
 
 
-@pytest.mark.parametrize("kind", ["json", "jsonl", "jsonl.gz", "json-lines", "parquet", "saved"])
+@pytest.mark.parametrize(
+    "kind", ["json", "jsonl", "jsonl.gz", "json-lines", "parquet", "saved", "folder"]
+)
 def test_formats_normalise_to_one_form(tmp_path, kind):
     import datasets
 
@@ -61,10 +63,18 @@ def test_formats_normalise_to_one_form(tmp_path, kind):
         plain = {"messages": [{"role": m.role, "content": m.content} for m in EXPECTED[1]]}
         records = [plain, plain]
         ds = datasets.Dataset.from_list(records)
-        path = tmp_path / ("d.parquet" if kind == "parquet" else "saved")
-        ds.to_parquet(str(path)) if kind == "parquet" else ds.save_to_disk(str(path))
+        if kind == "parquet":
+            path = tmp_path / "d.parquet"
+            ds.to_parquet(str(path))
+        elif kind == "saved":
+            path = tmp_path / "saved"
+            ds.save_to_disk(str(path))
+        else:  # a folder of data files, read by datasets.load_dataset
+            path = tmp_path / "folder"
+            path.mkdir()
+            ds.to_parquet(str(path / "train-00000.parquet"))
     conversations, report = load_conversations(path)
-    expected = [EXPECTED[1]] * 2 if kind in ("parquet", "saved") else EXPECTED
+    expected = EXPECTED if kind.startswith("json") else [EXPECTED[1]] * 2
     assert conversations == expected
     assert (report.read, report.kept, sum(report.dropped.values())) == (len(records),) * 2 + (0,)
 
