@@ -182,6 +182,9 @@ class BaselineDecoder:
 
     def _reusable(self, prompt: list[int]) -> int:
         """Prompt tokens whose cached KV stays valid (one at least is run again)."""
+        if self.model.cache_owner is not self:  # another decoder wrote the shared cache
+            self.reset()
+            self.model.cache_owner = self
         return min(self._common_prefix(prompt), self.target_len, len(prompt) - 1)
 
     def _check_prompt(self, prompt: Sequence[int]) -> list[int]:
@@ -284,8 +287,8 @@ class SpeculativeDecoder(BaselineDecoder):
 
     def _reusable(self, prompt: list[int]) -> int:
         # draft entry p also needs token p+1 to match
-        common = self._common_prefix(prompt) - 1
-        return max(0, min(common, self.target_len, self.draft_len, len(prompt) - 1))
+        reuse = super()._reusable(prompt)
+        return max(0, min(reuse, self._common_prefix(prompt) - 1, self.draft_len))
 
     def _draft_extend(self, aux: torch.Tensor, tokens: list[int], start: int):
         """Draft entries start.. from the target's aux [n, A*H] and the next tokens [n]."""

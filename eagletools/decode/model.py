@@ -167,6 +167,7 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(args.head_dim, 10000.0, None, args.max_seq_len)
         self.cache_len = 0
+        self.cache_owner = None  # the decoder whose tokens the KV cache holds
 
     @classmethod
     @torch.no_grad()
@@ -221,6 +222,7 @@ class Transformer(nn.Module):
                 batch, a.n_kv_heads, max_len, a.head_dim, self.dtype, self.device
             )
         self.cache_len = max_len
+        self.cache_owner = None
 
     def kv_caches(self) -> list[KVCache]:
         return [block.attention.kv_cache for block in self.layers]

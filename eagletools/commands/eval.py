@@ -1,0 +1,59 @@
+"""`eagletools eval`: acceptance, speedup and losslessness of a draft on a benchmark."""
+
+from __future__ import annotations
+
+import argparse
+
+from eagletools.commands import add_command
+from eagletools.commands.generate import add_decoding_args, settings_from_args
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = add_command(
+        subparsers, "eval", "Benchmark a draft: tau, per-position acceptance, speedup, greedy match",
+        "eagletools eval --target smollm2-135m --draft runs/demo/draft --bench mt-bench "
+        "--num-prompts 10 --hf-baseline --output-dir runs/demo/eval",
+    )  # fmt: skip
+    p.add_argument(
+        "--bench",
+        default="mt-bench",
+        help="mt-bench, humaneval, spec-bench, or a JSONL file of {turns: [...]} / {prompt: ...}",
+    )
+    p.add_argument("--num-prompts", type=int, help="first N questions (default: all)")
+    p.add_argument("--output-dir", required=True, help="results.json, results.md and PNG plots")
+    p.add_argument(
+        "--hf-baseline", action="store_true", help="also time Hugging Face generate on each prompt"
+    )
+    p.add_argument(
+        "--autotune",
+        action="store_true",
+        help="time a grid of (topk, depth, num_draft_tokens) first and use the fastest",
+    )
+    p.add_argument("--autotune-prompts", type=int, default=3)
+    p.add_argument("--wandb", metavar="PROJECT", help="log the run to wandb (offline mode works)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_decoding_args(p)
+    p.set_defaults(func=_eval)
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from eagletools.eval.benchmarks import load_benchmark
+    from eagletools.eval.report import log_wandb, markdown, write_report
+    from eagletools.eval.runner import run_eval
+
+    questions = load_benchmark(args.bench, args.num_prompts)
+    s = settings_from_args(
+        args,
+        bench=args.bench,
+        num_prompts=args.num_prompts,
+        hf_baseline=args.hf_baseline,
+        autotune=args.autotune,
+        autotune_prompts=args.autotune_prompts,
+    )
+    results = run_eval(s, questions, progress=not args.no_progress)
+    files = write_report(results, args.output_dir)
+    if args.wandb:
+        log_wandb(results, files, args.wandb)
+    print(markdown(results))
+    print("wrote " + ", ".join(str(f) for f in files))
+    return 0

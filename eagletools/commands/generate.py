@@ -1,0 +1,96 @@
+"""`eagletools generate`: speculative decoding of one prompt, streamed, with tau and tokens/s."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from eagletools.commands import add_command
+
+
+def add_decoding_args(p: argparse.ArgumentParser) -> None:
+    """Target, draft, dtype, sampling and tree-shape options shared with `eval`."""
+    p.add_argument(
+        "--target", default="smollm2-135m", help="built-in name, HF folder, hub id or .gguf"
+    )
+    p.add_argument(
+        "--draft",
+        help="draft checkpoint folder (any supported format), or random[:SEED] for an untrained "
+        "head; without it only plain decoding runs",
+    )
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="sampling top-k (0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="sampling top-p (1 = off)")
+    p.add_argument("--topk", type=int, default=4, help="draft tree: children per expanded node")
+    p.add_argument("--depth", type=int, default=5, help="draft tree: draft steps")
+    p.add_argument(
+        "--num-draft-tokens", type=int, default=16, help="draft tree: nodes verified, root included"
+    )
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--allow-pickle",
+        action="store_true",
+        help="allow loading a pytorch_model.bin draft (weights_only unpickling)",
+    )
+
+
+def settings_from_args(args: argparse.Namespace, **extra):
+    from eagletools.eval.runner import Settings
+
+    if args.max_new_tokens < 1:
+        from eagletools.errors import UserError
+
+        raise UserError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    names = (
+        "target", "draft", "max_new_tokens", "temperature", "top_k", "top_p", "topk", "depth",
+        "num_draft_tokens", "dtype", "device", "threads", "seed", "allow_pickle",
+    )  # fmt: skip
+    return Settings(**{n: getattr(args, n) for n in names}, **extra)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = add_command(
+        subparsers, "generate", "Generate text with tree speculative decoding (or plain decoding)",
+        'eagletools generate --target smollm2-135m --draft runs/demo/draft "Tell me about owls."',
+    )  # fmt: skip
+    p.add_argument("prompt", help="the user message (rendered with the chat template)")
+    add_decoding_args(p)
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.set_defaults(func=_generate)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from eagletools.errors import UserError
+    from eagletools.eval.runner import chat_ids, load_decoders
+
+    if not args.prompt.strip():
+        raise UserError("the prompt is empty: give the text to continue or answer")
+    s = settings_from_args(args)
+    decoders = load_decoders(s)
+    tokenizer = decoders.target.tokenizer
+    if args.raw:
+        ids = tokenizer(args.prompt).input_ids
+    else:
+        ids = chat_ids(tokenizer, [{"role": "user", "content": args.prompt}])
+    decoder = decoders.speculative or decoders.baseline
+    generator = torch.Generator(device=s.device).manual_seed(s.seed)
+
+    def show(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    r = decoder.generate(ids, s.max_new_tokens, s.sampling, args.stop, show, generator)
+    mode = "speculative" if decoders.speculative else "plain"
+    print(
+        f"\n\n[{mode}] {len(r.tokens)} tokens in {r.seconds:.2f} s: {r.tokens_per_s:.1f} tokens/s, "
+        f"tau {r.tau:.2f}, stop: {r.stop_reason}",
+        file=sys.stderr,
+    )
+    return 0

@@ -1,0 +1,81 @@
+"""Figures of a run (design notes 3.6): tau, per-position acceptance, speedups.
+
+Speedups come two ways: the mean of per-prompt tokens/s ratios (what EAGLE
+reports) and total tokens over total time (what a user waiting on the whole
+benchmark sees).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+
+def acceptance(accepted: list[int], depth: int) -> tuple[float, list[float]]:
+    """(tau, rate[i] = share of verify steps that accepted at least i+1 drafts)."""
+    if not accepted:
+        return 1.0, [0.0] * depth
+    steps = len(accepted)
+    tau = 1 + sum(accepted) / steps
+    return tau, [sum(a > i for a in accepted) / steps for i in range(depth)]
+
+
+def _throughput(records: list[dict], key: str) -> dict | None:
+    runs = [r[key] for r in records if key in r]
+    if not runs:
+        return None
+    tokens = sum(r["new_tokens"] for r in runs)
+    seconds = sum(r["seconds"] for r in runs)
+    return {"total": tokens / seconds if seconds else 0.0, "tokens": tokens, "seconds": seconds}
+
+
+def _speedup(records: list[dict], fast: str, slow: str) -> dict | None:
+    pairs = [(r[fast], r[slow]) for r in records if fast in r and slow in r]
+    if not pairs:
+        return None
+    ratios = [f["tokens_per_s"] / s["tokens_per_s"] for f, s in pairs if s["tokens_per_s"]]
+    total_fast = sum(f["new_tokens"] for f, _ in pairs) / sum(f["seconds"] for f, _ in pairs)
+    total_slow = sum(s["new_tokens"] for _, s in pairs) / sum(s["seconds"] for _, s in pairs)
+    return {
+        "mean_of_ratios": sum(ratios) / len(ratios) if ratios else None,
+        "total_over_total": total_fast / total_slow if total_slow else None,
+    }
+
+
+def _rate(records: list[dict], key: str) -> float | None:
+    flags = [r[key] for r in records if key in r]
+    return sum(flags) / len(flags) if flags else None
+
+
+def summarize(records: list[dict], depth: int, by_category: bool = True) -> dict:
+    accepted = [a for r in records if "speculative" in r for a in r["speculative"]["accepted"]]
+    tau, per_position = acceptance(accepted, depth)
+    throughput = {
+        name: _throughput(records, name) for name in ("baseline", "speculative", "hf_generate")
+    }
+    speedup = {
+        "vs_baseline": _speedup(records, "speculative", "baseline"),
+        "vs_hf_generate": _speedup(records, "speculative", "hf_generate"),
+        "baseline_vs_hf_generate": _speedup(records, "baseline", "hf_generate"),
+    }
+    vs_base = speedup["vs_baseline"]
+    summary = {
+        "prompts": len(records),
+        "tau": tau if accepted else None,
+        "per_position_acceptance": per_position if accepted else None,
+        "verify_steps": len(accepted),
+        "tokens_per_s": {k: v and v["total"] for k, v in throughput.items()},
+        "new_tokens": {k: v and v["tokens"] for k, v in throughput.items()},
+        "speedup": speedup,
+        # share of the ideal speedup tau that the decoder's overhead leaves
+        "efficiency": vs_base["total_over_total"] / tau if vs_base and accepted else None,
+        "greedy_match_rate": _rate(records, "greedy_match"),
+        "hf_match_rate": _rate(records, "hf_match"),
+    }
+    categories = defaultdict(list)
+    for r in records:
+        categories[r["category"]].append(r)
+    if by_category and len(categories) > 1:
+        summary["per_category"] = {
+            name: summarize(rs, depth, by_category=False) for name, rs in sorted(categories.items())
+        }
+    return summary

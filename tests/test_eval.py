@@ -1,0 +1,194 @@
+"""Benchmarks loading, metrics, and `eagletools eval` end to end on a tiny local target."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_model
+
+from eagletools.cli import main
+from eagletools.errors import UserError
+from eagletools.eval.benchmarks import load_benchmark, read_questions
+from eagletools.eval.metrics import acceptance, summarize
+
+SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared/data/spec_bench/question.jsonl"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matmuls on a shared 2-core machine: two threads spin against each other."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory) -> Path:
+    """A local HF folder: tiny random Llama + a byte tokenizer with a chat template."""
+    from transformers import ByT5Tokenizer
+
+    folder = tmp_path_factory.mktemp("tiny_target")
+    tokenizer = ByT5Tokenizer()
+    tokenizer.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    tiny_model("llama", seed=3, vocab_size=384).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_builtin_benchmarks():
+    mt = load_benchmark("mt-bench")
+    assert len(mt) == 80 and all(len(q.turns) == 2 for q in mt)
+    assert mt[0].id == "81" and mt[0].category == "writing"
+    he = load_benchmark("humaneval", num_prompts=5)
+    assert len(he) == 5 and he[0].id == "HumanEval/0" and "def " in he[0].turns[0]
+
+
+@pytest.mark.skipif(not SPEC_BENCH.is_file(), reason="Spec-Bench file not beside the clone")
+def test_spec_bench():
+    questions = load_benchmark("spec-bench")
+    assert len(questions) == 480
+    assert len({q.category for q in questions}) == 13
+
+
+@pytest.mark.parametrize(
+    "line,message",
+    [
+        ('{"turns": ["a"]', "line 2: not valid JSON"),
+        ('["a"]', "line 2: expected a JSON object"),
+        ('{"turns": []}', "line 2: field 'turns' must be a non-empty list"),
+        ('{"turns": ["ok", 3]}', "line 2: field 'turns'"),
+        ('{"text": "no known field"}', "line 2: needs field 'turns'"),
+        ('{"prompt": "x", "category": 5}', "line 2: field 'category'"),
+    ],
+)
+def test_malformed_benchmark_lines_name_the_line(tmp_path, line, message):
+    path = tmp_path / "bench.jsonl"
+    path.write_text('{"turns": ["fine"]}\n' + line + "\n")
+    with pytest.raises(UserError, match=message):
+        read_questions(path)
+
+
+def test_benchmark_file_forms(tmp_path):
+    path = tmp_path / "bench.jsonl"
+    path.write_text('{"prompt": "p1"}\n\n{"id": "x", "category": "c", "turns": ["t1", "t2"]}\n')
+    first, second = load_benchmark(str(path))
+    assert (first.id, first.turns) == ("1", ("p1",))
+    assert (second.id, second.category, second.turns) == ("x", "c", ("t1", "t2"))
+    with pytest.raises(UserError, match="no such file"):
+        load_benchmark(str(tmp_path / "missing.jsonl"))
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(UserError, match="no questions"):
+        load_benchmark(str(tmp_path / "empty.jsonl"))
+
+
+def test_acceptance_metrics():
+    tau, rates = acceptance([0, 1, 3, 2], depth=4)
+    assert tau == pytest.approx(1 + 6 / 4)
+    assert rates == [0.75, 0.5, 0.25, 0.0]
+
+
+def test_summary_speedups():
+    def rec(cat, base, spec, accepted):
+        return {
+            "category": cat,
+            "baseline": {
+                "new_tokens": base[0],
+                "seconds": base[1],
+                "tokens_per_s": base[0] / base[1],
+            },
+            "speculative": {
+                "new_tokens": spec[0],
+                "seconds": spec[1],
+                "tokens_per_s": spec[0] / spec[1],
+                "accepted": accepted,
+            },
+            "greedy_match": True,
+        }
+
+    records = [rec("a", (10, 1.0), (10, 0.5), [1, 1]), rec("b", (30, 1.0), (30, 1.0), [0, 2])]
+    s = summarize(records, depth=2)
+    assert s["speedup"]["vs_baseline"]["mean_of_ratios"] == pytest.approx((2.0 + 1.0) / 2)
+    assert s["speedup"]["vs_baseline"]["total_over_total"] == pytest.approx((40 / 1.5) / (40 / 2.0))
+    assert s["tau"] == pytest.approx(2.0)
+    assert s["efficiency"] == pytest.approx(4 / 3 / 2.0)
+    assert s["per_category"]["a"]["tau"] == pytest.approx(2.0)
+    assert s["greedy_match_rate"] == 1.0 and s["speedup"]["vs_hf_generate"] is None
+
+
+def test_eval_command_end_to_end(tiny_target, tmp_path, capsys):
+    bench = tmp_path / "bench.jsonl"
+    lines = [
+        {"question_id": 1, "category": "chat", "turns": ["hello there", "and again"]},
+        {"question_id": 2, "category": "code", "turns": ["write a loop"]},
+    ]
+    bench.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = tmp_path / "out"
+    args = ["eval", "--target", str(tiny_target), "--draft", "random:1", "--bench", str(bench)]
+    args += ["--dtype", "float32", "--max-new-tokens", "24", "--hf-baseline", "--no-progress"]
+    args += ["--topk", "2", "--depth", "3", "--num-draft-tokens", "6", "--output-dir", str(out)]
+    assert main(args) == 0
+    results = json.loads((out / "results.json").read_text())
+    s = results["summary"]
+    assert s["prompts"] == 2 and s["greedy_match_rate"] == 1.0
+    assert s["hf_match_rate"] == 1.0
+    assert len(s["per_position_acceptance"]) == 3 and s["tau"] >= 1.0
+    assert set(s["per_category"]) == {"chat", "code"}
+    for key in ("baseline", "speculative", "hf_generate"):
+        assert s["tokens_per_s"][key] > 0
+    assert set(s["speedup"]["vs_hf_generate"]) == {"mean_of_ratios", "total_over_total"}
+    assert results["per_prompt"][0]["turns"] == 2
+    assert results["settings"]["topk"] == 2 and "load_average_at_start" in results["machine"]
+    assert (out / "results.md").read_text().startswith("# eagletools eval")
+    for png in ("acceptance_by_position.png", "speedup_by_category.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+    assert "| all | 2 |" in capsys.readouterr().out
+
+
+def test_autotune_picks_the_fastest_shape(tiny_target):
+    from eagletools.eval.runner import AUTOTUNE_GRID, Settings, run_eval
+
+    s = Settings(target=str(tiny_target), draft="random", dtype="float32", max_new_tokens=8)
+    s.autotune, s.autotune_prompts = True, 1
+    questions = load_benchmark("mt-bench", num_prompts=1)
+    results = run_eval(s, questions, progress=False)
+    trials = results["autotune"]["trials"]
+    assert len(trials) == len(AUTOTUNE_GRID)
+    best = max(trials, key=lambda t: t["tokens_per_s"])
+    assert (s.topk, s.depth, s.num_draft_tokens) == (
+        best["topk"],
+        best["depth"],
+        best["num_draft_tokens"],
+    )
+    assert results["settings"]["topk"] == best["topk"]
+
+
+def test_generate_command_streams_and_reports(tiny_target, capsys):
+    args = ["generate", "--target", str(tiny_target), "--draft", "random", "--dtype", "float32"]
+    assert main([*args, "--max-new-tokens", "12", "hello"]) == 0
+    captured = capsys.readouterr()
+    assert "tokens/s, tau" in captured.err and "stop: max_tokens" in captured.err
+    assert main([*args, "   "]) == 2
+    assert "prompt is empty" in capsys.readouterr().err
+    assert main([*args, "--num-draft-tokens", "99", "hi"]) == 2
+    assert "--num-draft-tokens 99" in capsys.readouterr().err
+
+
+def test_wandb_offline(tiny_target, tmp_path, monkeypatch):
+    from eagletools.eval.report import log_wandb, write_report
+    from eagletools.eval.runner import Settings, run_eval
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    s = Settings(target=str(tiny_target), draft="random", dtype="float32", max_new_tokens=6)
+    results = run_eval(s, load_benchmark("mt-bench", num_prompts=1), progress=False)
+    files = write_report(results, tmp_path / "out")
+    log_wandb(results, files, project="eagletools-test")
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
