@@ -40,11 +40,9 @@ DRAFT_VOCAB, TARGET_VOCAB = 32_000, 128_256
 
 @dataclass
 class Case:
-    kernel: str
     shape: str
-    triton: Callable[[], object]
-    reference: Callable[[], object]
-    bytes_moved: int
+    args: tuple
+    bytes_moved: int  # what the kernel must read and write at the least
 
 
 def random_tree(b: int, n: int, device) -> torch.Tensor:
@@ -73,15 +71,7 @@ def attention_cases(device) -> list[Case]:
         args = (q, k, v, prefix, mask, HEAD_DIM**-0.5)
         moved = 2 * q.nbytes + k.nbytes + v.nbytes + mask.nbytes
         shape = f"B={b} N={n} prefix={prefix} bf16"
-        cases.append(
-            Case(
-                "tree_attention",
-                shape,
-                lambda a=args: tree_attention_triton(*a),
-                lambda a=args: tree_attention_reference(*a),
-                moved,
-            )
-        )
+        cases.append(Case(shape, args, moved))
     return cases
 
 
@@ -93,15 +83,7 @@ def greedy_cases(device) -> list[Case]:
         argmax = torch.randint(0, 4, (b, n), device=device)  # small vocab: long paths
         args = (tokens, parents, argmax)
         moved = 4 * tokens.nbytes + 2 * b * 8
-        cases.append(
-            Case(
-                "verify_greedy",
-                f"B={b} N={n}",
-                lambda a=args: verify_greedy_triton(*a),
-                lambda a=args: verify_greedy_reference(*a),
-                moved,
-            )
-        )
+        cases.append(Case(f"B={b} N={n}", args, moved))
     return cases
 
 
@@ -114,15 +96,7 @@ def topk_cases(device) -> list[Case]:
             logits = torch.randn(m, DRAFT_VOCAB, device=device, dtype=torch.bfloat16)
             args = (logits, d2t, k)
             moved = logits.nbytes + m * k * (8 + 8 + 4)
-            cases.append(
-                Case(
-                    "topk_d2t",
-                    f"M={m} Vd={DRAFT_VOCAB} k={k} bf16",
-                    lambda a=args: topk_d2t_triton(*a),
-                    lambda a=args: topk_d2t_reference(*a),
-                    moved,
-                )
-            )
+            cases.append(Case(f"M={m} Vd={DRAFT_VOCAB} k={k} bf16", args, moved))
     return cases
 
 
@@ -135,15 +109,7 @@ def compact_cases(device) -> list[Case]:
         src = prefix + torch.rand(b, tree, device=device).argsort(1)[:, :n].sort(1).values
         args = (k, v, src, prefix)
         moved = 2 * 2 * b * HKV * n * HEAD_DIM * k.element_size() + src.nbytes
-        cases.append(
-            Case(
-                "compact_kv",
-                f"B={b} n={n} of {tree} (one layer) bf16",
-                lambda a=args: compact_kv_triton(*a),
-                lambda a=args: compact_kv_reference(*a),
-                moved,
-            )
-        )
+        cases.append(Case(f"B={b} n={n} of {tree} (one layer) bf16", args, moved))
     return cases
 
 
@@ -164,16 +130,14 @@ def sampling_cases(device) -> list[Case]:
         # at least each visited node's row once
         moved = int((accepted + 1).sum()) * TARGET_VOCAB * probs.element_size()
         shape = f"B={b} N={n} V={TARGET_VOCAB} fp32, mean accepted {accepted.float().mean():.1f}"
-        cases.append(
-            Case(
-                "verify_sampling",
-                shape,
-                lambda a=args: verify_sampling_triton(*a),
-                lambda a=args: verify_sampling_reference(*a),
-                moved,
-            )
-        )
+        cases.append(Case(shape, args, moved))
     return cases
+
+
+def median_us(fn: Callable, args: tuple) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(lambda: fn(*args), return_mode="median") * 1e3
 
 
 def copy_bandwidth(device) -> float:
@@ -184,6 +148,15 @@ def copy_bandwidth(device) -> float:
     dst = torch.empty_like(src)
     ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
     return 2 * src.nbytes / (ms * 1e-3)
+
+
+KERNELS = {
+    "tree_attention": (tree_attention_triton, tree_attention_reference, attention_cases),
+    "verify_greedy": (verify_greedy_triton, verify_greedy_reference, greedy_cases),
+    "topk_d2t": (topk_d2t_triton, topk_d2t_reference, topk_cases),
+    "compact_kv": (compact_kv_triton, compact_kv_reference, compact_cases),
+    "verify_sampling": (verify_sampling_triton, verify_sampling_reference, sampling_cases),
+}
 
 
 def meta_launches() -> list[tuple[str, object, str, Callable[[], object]]]:
@@ -329,33 +302,22 @@ def main() -> int:
             file=sys.stderr,
         )
         return 1
-    import triton.testing
-
     device = torch.device("cuda")
     torch.manual_seed(0)
     bandwidth = copy_bandwidth(device)
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e9:.0f} GB/s")
-    makers = {
-        "tree_attention": attention_cases,
-        "verify_greedy": greedy_cases,
-        "topk_d2t": topk_cases,
-        "compact_kv": compact_cases,
-        "verify_sampling": sampling_cases,
-    }
     header = f"{'kernel':16} {'shape':52} {'triton us':>10} {'ref us':>10} {'ref/triton':>10}"
     print(header + f" {'floor us':>9} {'floor/triton':>12}")
-    for name, make in makers.items():
+    for name, (kernel, reference, make_cases) in KERNELS.items():
         if args.only and name not in args.only:
             continue
-        for case in make(device):
-            t_triton = triton.testing.do_bench(case.triton, return_mode="median") * 1e3
-            t_ref = triton.testing.do_bench(case.reference, return_mode="median") * 1e3
+        for case in make_cases(device):
+            t_triton, t_ref = median_us(kernel, case.args), median_us(reference, case.args)
             floor = case.bytes_moved / bandwidth * 1e6
             print(
-                f"{case.kernel:16} {case.shape:52} {t_triton:>10.1f} {t_ref:>10.1f} "
+                f"{name:16} {case.shape:52} {t_triton:>10.1f} {t_ref:>10.1f} "
                 f"{t_ref / t_triton:>10.2f} {floor:>9.2f} {floor / t_triton:>12.2f}"
             )
-            torch.cuda.empty_cache()
     return 0
 
 

@@ -34,6 +34,14 @@ def next_pow2(x: int, floor: int = 1) -> int:
     return max(floor, 1 << (max(x, 1) - 1).bit_length())
 
 
+def verify_outputs(
+    batch: int, n: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`(path [B,N], accept_len [B], token [B])`, int64: what both verifications return."""
+    path = torch.empty(batch, n, dtype=torch.long, device=device)
+    return path, path.new_empty(batch), path.new_empty(batch)
+
+
 def lazy_jit(fn: Callable) -> Callable[[], Callable]:
     """`triton.jit(fn)`, applied at first launch rather than at import.
 

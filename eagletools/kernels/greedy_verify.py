@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from eagletools.kernels.dispatch import lazy_jit, next_pow2, use_triton
+from eagletools.kernels.dispatch import lazy_jit, next_pow2, use_triton, verify_outputs
 
 tl = None  # triton.language, bound by lazy_jit at the first launch
 
@@ -94,11 +94,7 @@ def verify_greedy_triton(
     """The Triton kernel; `out` = preallocated `(path, accept_len, bonus)` (CUDA graphs)."""
     b, n = tokens.shape
     if out is None:
-        out = (
-            torch.empty(b, n, dtype=torch.long, device=tokens.device),
-            torch.empty(b, dtype=torch.long, device=tokens.device),
-            torch.empty(b, dtype=torch.long, device=tokens.device),
-        )
+        out = verify_outputs(b, n, tokens.device)
     path, accept_len, bonus = out
     _verify_greedy_jit()[(b,)](
         tokens, parents, target_argmax, path, accept_len, bonus, n,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from eagletools.kernels.dispatch import lazy_jit, next_pow2, use_triton
+from eagletools.kernels.dispatch import lazy_jit, next_pow2, use_triton, verify_outputs
 
 tl = None  # triton.language, bound by lazy_jit at the first launch
 
@@ -169,11 +169,7 @@ def verify_sampling_triton(
     b, n = tokens.shape
     v = target_probs.shape[2]
     if out is None:
-        out = (
-            torch.empty(b, n, dtype=torch.long, device=tokens.device),
-            torch.empty(b, dtype=torch.long, device=tokens.device),
-            torch.empty(b, dtype=torch.long, device=tokens.device),
-        )
+        out = verify_outputs(b, n, tokens.device)
     path, accept_len, next_token = out
     block_v = min(1024, next_pow2(v))
     _verify_sampling_jit()[(b,)](
