@@ -10,6 +10,8 @@ Face indexing. Facts pinned from speculators 0.9.0 and vLLM (tests/test_formats.
 - speculators sizes `fc` as `num_aux * hidden_size` (it ignores
   `target_hidden_size`), so only vLLM loads drafts whose widths differ.
 - with draft vocab == target vocab it has no `d2t`/`t2d` buffers: not written.
+- `speculators_config.verifier.name_or_path` null: speculators cannot load it
+  (it asks the hub for the config of None); vLLM does not need it.
 - without `embed_tokens.weight` in the file, speculators 0.9.0 (transformers 5)
   keeps uninitialised memory: its NaN sentinel for "copy the verifier's" is
   lost in meta-device loading (seen in tests/interop), so write them for it.
@@ -179,7 +181,8 @@ def write(
     if cfg["speculators_config"]["verifier"]["name_or_path"] is None:
         log.warning(
             "no verifier recorded: vLLM takes the target from its command line, but the "
-            "speculators package cannot fetch the target's embeddings; pass --verifier or --target"
+            "speculators package cannot load the draft without one (it looks up a config for "
+            "None on the hub); pass --verifier or --target"
         )
     hfconfig.write_json(folder / CONFIG, cfg)
     write_tensors({from_eagle_key(k): v for k, v in tensors.items()}, folder, max_shard_bytes)

@@ -5,7 +5,9 @@ make_case.py, and compare draft-vocab logits with ours (fp32, must agree to 1e-5
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -74,6 +76,19 @@ def main(root: Path) -> int:
         diff = (theirs - case["logits"]).abs().max().item()
         worst = max(worst, diff)
         print(f"{case_dir.name}: logits {tuple(theirs.shape)}, max abs diff {diff:.3g}")
+        # without a verifier folder the package cannot load it at all, even with the
+        # embeddings shipped: load_verifier_weights asks the hub for a config of None
+        unbound = root / f"{case_dir.name}-no-verifier"
+        shutil.copytree(case_dir / "draft", unbound, dirs_exist_ok=True)
+        config = json.loads((unbound / "config.json").read_text())
+        config["speculators_config"]["verifier"]["name_or_path"] = None
+        (unbound / "config.json").write_text(json.dumps(config))
+        try:
+            their_logits(unbound, case)
+        except OSError:
+            print(f"{case_dir.name}: as pinned, verifier None fails to load offline")
+        else:
+            raise AssertionError("verifier None loaded: update the speculators writer's warning")
     print(f"max abs difference, ours vs speculators: {worst:.3g} (tolerance {TOLERANCE})")
     return 0 if worst <= TOLERANCE else 1
 
