@@ -21,6 +21,7 @@ from eagletools.errors import UserError
 from eagletools.formats import eagle, hfconfig, speculators, training
 from eagletools.formats.tensors import DEFAULT_MAX_SHARD_BYTES
 from eagletools.formats.validate import check_tensors, normalize_rope, target_problems
+from eagletools.target import default_aux_layer_ids
 from eagletools.vocab import DraftVocab
 
 log = logging.getLogger(__name__)
@@ -170,7 +171,7 @@ def fit_to_target(ckpt: Checkpoint, target: Any) -> tuple[Checkpoint, list[str]]
             f"{info.max_position_embeddings}"
         )
     if ckpt.config.aux_layer_ids is None and ckpt.config.num_aux_states == 3:
-        changes["aux_layer_ids"] = [2, info.num_layers // 2, info.num_layers - 3]
+        changes["aux_layer_ids"] = default_aux_layer_ids(info.num_layers)
         notes.append(f"aux_layer_ids (HF indexing) set to the default {changes['aux_layer_ids']}")
     config = dataclasses.replace(ckpt.config, **changes)
     tensors = dict(ckpt.tensors)

@@ -13,6 +13,7 @@ import torch
 
 from eagletools.draft import DraftConfig, Eagle3Draft
 from eagletools.errors import UserError
+from eagletools.target import default_aux_layer_ids
 from eagletools.vocab import DraftVocab
 
 OPTIONAL = {"embed_tokens.weight"}
@@ -113,7 +114,7 @@ def target_problems(
         ))  # fmt: skip
     ids = config.aux_layer_ids
     if ids is None:
-        default = [2, info.num_layers // 2, info.num_layers - 3]
+        default = default_aux_layer_ids(info.num_layers)
         out.append(Problem(
             "aux_layer_ids",
             f"not recorded; engines assume the default {default} (HF indexing)",
