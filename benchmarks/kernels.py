@@ -159,36 +159,56 @@ KERNELS = {
 }
 
 
-def meta_launches() -> list[tuple[str, object, str, Callable[[], object]]]:
-    """`(kernel, module, jit attribute, launch)`: the table's shapes as meta tensors."""
+def meta_launches() -> list[tuple[str, object, Callable[[], object]]]:
+    """`(name, module, launch)`: the table's shapes as meta tensors."""
     meta = dict(device="meta")
     bf16 = dict(device="meta", dtype=torch.bfloat16)
     launches = []
-    for n, prefix, d, dt in [(16, 1, 128, torch.bfloat16), (128, 8192, 128, torch.bfloat16),
-                             (7, 13, 24, torch.float32), (64, 100, 64, torch.float16)]:  # fmt: skip
+    for n, prefix, d, dt, splits in [
+        (16, 1, 128, torch.bfloat16, 1),
+        (128, 8192, 128, torch.bfloat16, 1),
+        (64, 8192, 128, torch.bfloat16, 8),  # keys split, then merged
+        (7, 13, 24, torch.float32, 1),
+        (64, 100, 64, torch.float16, 1),
+    ]:
         q = torch.empty(1, HQ, n, d, device="meta", dtype=dt)
         kv = torch.empty(1, HKV, prefix + n, d, device="meta", dtype=dt)
         mask = torch.empty(n, n, device="meta", dtype=torch.bool)
-        launch = (q, kv, kv, prefix if n != 128 else torch.tensor(prefix, **meta), mask, d**-0.5)
-        launches.append((f"tree_attention N={n} D={d} {dt}", attention, "_tree_attention_jit",
+        length = prefix if n != 128 else torch.tensor(prefix, **meta)
+        launch = (q, kv, kv, length, mask, d**-0.5, None, splits)
+        launches.append((f"tree_attention N={n} D={d} {dt} splits={splits}", attention,
                          lambda a=launch: tree_attention_triton(*a)))  # fmt: skip
     trees = torch.empty(64, 64, dtype=torch.long, **meta)
-    launches.append(("verify_greedy N=64", greedy_verify, "_verify_greedy_jit",
+    launches.append(("verify_greedy N=64", greedy_verify,
                      lambda: verify_greedy_triton(trees, trees, trees)))  # fmt: skip
     for m, k in [(1, 1), (64, 8)]:
         logits = torch.empty(m, DRAFT_VOCAB, **bf16)
         d2t = torch.empty(DRAFT_VOCAB, dtype=torch.long, **meta)
-        launches.append((f"topk_d2t M={m} k={k}", draft_topk, "_topk_d2t_jit",
+        launches.append((f"topk_d2t M={m} k={k}", draft_topk,
                          lambda a=(logits, d2t, k): topk_d2t_triton(*a)))  # fmt: skip
     cache = torch.empty(64, HKV, 4096, HEAD_DIM, **bf16)
     src = torch.empty(64, 8, dtype=torch.long, **meta)
-    launches.append(("compact_kv", kv_compact, "_compact_kv_jit",
+    launches.append(("compact_kv", kv_compact,
                      lambda: compact_kv_triton(cache, cache, src, 2048)))  # fmt: skip
     probs = torch.empty(16, 64, TARGET_VOCAB, **meta)
     uniforms = torch.empty(16, 65, **meta)
-    launches.append(("verify_sampling N=64", sampling_verify, "_verify_sampling_jit",
+    launches.append(("verify_sampling N=64", sampling_verify,
                      lambda: verify_sampling_triton(trees[:16], trees[:16], probs, uniforms)))  # fmt: skip
     return launches
+
+
+def recorded_launches(module, launch: Callable[[], object]) -> list[tuple[str, tuple, dict]]:
+    """`(jit attribute, args, kwargs)` of every kernel launch `launch` makes."""
+    jits = {a: getattr(module, a) for a in dir(module) if a.endswith("_jit")}
+    calls = []
+    for attr in jits:
+        setattr(module, attr, lambda attr=attr: _Recorder(attr, calls))
+    try:
+        launch()
+    finally:
+        for attr, jit in jits.items():
+            setattr(module, attr, jit)
+    return [(attr, args, kwargs, jits[attr]()) for attr, args, kwargs in calls]
 
 
 def compile_only(arch: int) -> int:
@@ -211,62 +231,58 @@ def compile_only(arch: int) -> int:
              torch.int64: "i64", torch.int32: "i32", torch.uint8: "u8", torch.bool: "i1"}  # fmt: skip
     cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
     failed = 0
-    for name, module, attr, launch in meta_launches():
-        jit = getattr(module, attr)()
-        calls = []
-        setattr(module, attr, lambda calls=calls: _Recorder(calls))
-        try:
-            launch()
-        finally:
-            setattr(module, attr, lambda jit=jit: jit)
-        args, kwargs = calls[0]
-        options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
-        signature, constexprs, attrs = {}, dict(kwargs), {}
-        params = [p for p in jit.arg_names if p not in kwargs]
-        for param, value in zip(params, args, strict=True):
-            if isinstance(value, torch.Tensor):
-                signature[param] = "*" + types[value.dtype]
-                attrs[(jit.arg_names.index(param),)] = [["tt.divisibility", 16]]
-            elif isinstance(value, float):
-                signature[param] = "fp32"
-            elif value == 1:
-                signature[param], constexprs[param] = "constexpr", 1
-            else:
-                signature[param] = "i32" if abs(value) < 2**31 else "i64"
-                if value % 16 == 0:
+    for name, module, launch in meta_launches():
+        for attr, args, kwargs, jit in recorded_launches(module, launch):
+            label = f"{name} {attr.strip('_').removesuffix('_jit')}"
+            options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+            signature, constexprs, attrs = {}, dict(kwargs), {}
+            params = [p for p in jit.arg_names if p not in kwargs]
+            for param, value in zip(params, args, strict=True):
+                if isinstance(value, torch.Tensor):
+                    signature[param] = "*" + types[value.dtype]
                     attrs[(jit.arg_names.index(param),)] = [["tt.divisibility", 16]]
-        signature.update({k: "constexpr" for k in kwargs})
-        signature = {p: signature[p] for p in jit.arg_names}
-        try:
-            compiled = triton.compile(
-                ASTSource(jit, signature, constexprs=constexprs, attrs=attrs),
-                target=GPUTarget("cuda", arch, 32),
-                options=options,
-            )
-        except Exception as err:  # report every kernel, then fail
-            print(f"{name:36} FAILED: {err}")
-            failed += 1
-            continue
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(compiled.asm["cubin"])
-            f.flush()
-            usage = subprocess.run(
-                [str(cuobjdump), "--dump-resource-usage", f.name], capture_output=True, text=True
-            ).stdout
-        line = next((x.strip() for x in usage.splitlines() if "REG:" in x), "")
-        spills = "  register spills" if "STACK:0 " not in line else ""
-        print(f"{name:36} sm_{arch} ok  {line.split(' SHARED')[0]}{spills}")
+                elif isinstance(value, float):
+                    signature[param] = "fp32"
+                elif value == 1:
+                    signature[param], constexprs[param] = "constexpr", 1
+                else:
+                    signature[param] = "i32" if abs(value) < 2**31 else "i64"
+                    if value % 16 == 0:
+                        attrs[(jit.arg_names.index(param),)] = [["tt.divisibility", 16]]
+            signature.update({k: "constexpr" for k in kwargs})
+            signature = {p: signature[p] for p in jit.arg_names}
+            try:
+                compiled = triton.compile(
+                    ASTSource(jit, signature, constexprs=constexprs, attrs=attrs),
+                    target=GPUTarget("cuda", arch, 32),
+                    options=options,
+                )
+            except Exception as err:  # report every kernel, then fail
+                print(f"{label:60} FAILED: {err}")
+                failed += 1
+                continue
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                f.write(compiled.asm["cubin"])
+                f.flush()
+                usage = subprocess.run(
+                    [str(cuobjdump), "--dump-resource-usage", f.name],
+                    capture_output=True,
+                    text=True,
+                ).stdout
+            line = next((x.strip() for x in usage.splitlines() if "REG:" in x), "")
+            spills = "  register spills" if "STACK:0 " not in line else ""
+            print(f"{label:60} sm_{arch} ok  {line.split(' SHARED')[0]}{spills}")
     return int(failed > 0)
 
 
 class _Recorder:
     """Stands in for a jitted kernel: `kernel[grid](*args, **kwargs)` records the call."""
 
-    def __init__(self, calls: list):
-        self.calls = calls
+    def __init__(self, attr: str, calls: list):
+        self.attr, self.calls = attr, calls
 
     def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.calls.append((args, kwargs))
+        return lambda *args, **kwargs: self.calls.append((self.attr, args, kwargs))
 
 
 def run_tests(device: str) -> int:

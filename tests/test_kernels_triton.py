@@ -76,6 +76,7 @@ def assert_same_ints(got, want):
         (1, 4, 4, 33, 100, 64, torch.bfloat16),
         (2, 4, 1, 5, 1, 128, torch.bfloat16),
         (1, 4, 1, 128, 3, 16, torch.float32),  # the largest tree: 512 rows, 8 row blocks
+        (1, 4, 1, 60, 100, 16, torch.float32),  # 3 key splits: the last holds only tree nodes
     ],
 )
 def test_tree_attention(b, hq, hkv, n, prefix, d, dtype):
@@ -98,6 +99,10 @@ def test_tree_attention(b, hq, hkv, n, prefix, d, dtype):
     (prefix_on_device,) = on_device(torch.tensor(prefix))  # as a CUDA graph passes it
     got = tree_attention_triton(q, k, v, prefix_on_device, mask, d**-0.5, out=poisoned(q)[0])
     torch.testing.assert_close(got, want, **TOL[dtype])
+    # keys split over programs (as on a GPU with idle SMs), merged by a second launch
+    for prefix_arg in (prefix, prefix_on_device):
+        got = tree_attention_triton(q, k, v, prefix_arg, mask, d**-0.5, poisoned(q)[0], 3)
+        torch.testing.assert_close(got, want, **TOL[dtype])
 
 
 @pytest.mark.parametrize("b,n,vocab", [(1, 1, 5), (3, 2, 2), (8, 11, 4), (4, 33, 3), (2, 64, 3)])

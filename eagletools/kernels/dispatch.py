@@ -29,6 +29,10 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def next_pow2(x: int, floor: int = 1) -> int:
     """Smallest power of two >= max(x, floor): Triton block sizes."""
     return max(floor, 1 << (max(x, 1) - 1).bit_length())
