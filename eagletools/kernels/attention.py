@@ -52,7 +52,7 @@ def tree_attention(
     tree_mask: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """`tree_attention_reference`, as one Triton launch on CUDA."""
+    """`tree_attention_reference`, by the Triton kernel on CUDA."""
     on_device = (prefix_len,) if isinstance(prefix_len, torch.Tensor) else ()
     if use_triton(q, k_cache, v_cache, tree_mask, *on_device):
         return tree_attention_triton(q, k_cache, v_cache, prefix_len, tree_mask, scale)
