@@ -154,3 +154,25 @@ def test_builtin_smollm2(smollm2):
     torch.testing.assert_close(got.aux, aux, rtol=0, atol=0)
     torch.testing.assert_close(smollm2.model.lm_head(got.last_hidden), logits)
     assert smollm2.tokenizer.decode(logits[0, -1].argmax()) == " Paris"
+
+
+@pytest.mark.integration
+@pytest.mark.slow  # dequantises the GGUF directly once more (~20-40 s)
+def test_dequantised_cache_equals_direct_gguf_load(smollm2):
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from eagletools.assets import resolve
+    from eagletools.target.load import dequantised_folder
+
+    folder = dequantised_folder("smollm2-135m")
+    assert "quantization_config" not in json.loads((folder / "config.json").read_text())
+    gguf = resolve("smollm2-135m")
+    direct = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    ).eval()
+    ids = smollm2.tokenizer("Speculative decoding is", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        torch.testing.assert_close(smollm2.model(ids).logits, direct(ids).logits, rtol=0, atol=0)
+    assert smollm2.tokenizer.chat_template and smollm2.tokenizer.eos_token == "<|im_end|>"
