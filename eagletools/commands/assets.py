@@ -34,7 +34,7 @@ def _list(args: argparse.Namespace) -> int:
         rows.append((a.name, a.kind, f"pip:{a.requirement}", cached, a.description))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4])
+        print("  ".join(c.ljust(w) for c, w in zip(r[:4], widths, strict=True)) + "  " + r[4])
     return 0
 
 

@@ -50,38 +50,17 @@ def add_allow_pickle(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pathlib import Path
+    from eagletools.formats.convert import convert
 
-    from eagletools.errors import UserError
-    from eagletools.formats import fit_to_target, load_checkpoint, parse_dtype, save_checkpoint
-
-    out = Path(args.out)
-    if out.exists() and not args.force:
-        raise UserError(f"{out}: already exists; pass --force to replace it")
-    ckpt = load_checkpoint(args.src, allow_pickle=args.allow_pickle)
-    print(f"read {ckpt.source} ({ckpt.format})")
-    verifier = args.verifier
-    if args.target:
-        from eagletools.target import load_target, resolve_spec
-
-        dtype = parse_dtype(args.dtype) if args.dtype else ckpt.tensors["fc.weight"].dtype
-        target = load_target(args.target, dtype=dtype)  # its embeddings in the output's dtype
-        ckpt, notes = fit_to_target(ckpt, target)
-        for note in notes:
-            print(f"  from target: {note}")
-        if verifier is None:
-            location, gguf = resolve_spec(args.target)
-            local = not gguf and Path(location).is_dir()
-            name = str(Path(location).resolve()) if local else args.target
-            verifier = {"name_or_path": name, "architectures": [target.info.architecture]}
-    path = save_checkpoint(
-        ckpt,
-        out,
+    convert(
+        args.src,
+        args.out,
         args.to,
+        target=args.target,
         dtype=args.dtype,
         with_embeddings=args.with_embeddings,
-        verifier=verifier,
-        overwrite=args.force,
+        verifier=args.verifier,
+        force=args.force,
+        allow_pickle=args.allow_pickle,
     )
-    print(f"wrote {path} ({args.to})")
     return 0
