@@ -24,6 +24,7 @@ COMMAND_MODULES = (
     "inspect",
     "generate",
     "eval",
+    "pipeline",
 )
 
 

@@ -85,6 +85,20 @@ class TrackingSection:
 
 
 @dataclass
+class EvalSection:
+    """What `eagletools pipeline` measures after training (`train` ignores it)."""
+
+    benchmarks: list[str] = field(default_factory=lambda: ["mt-bench", "spec-bench"])
+    num_prompts: int = 8  # per benchmark; Spec-Bench is sampled across its categories
+    max_new_tokens: int = 128
+    topk: int = 4
+    depth: int = 5
+    num_draft_tokens: int = 16
+    autotune: bool = False
+    hf_baseline: bool = True  # also time Hugging Face generate
+
+
+@dataclass
 class TrainConfig:
     target: TargetSection = field(default_factory=TargetSection)
     data: DataSection = field(default_factory=DataSection)
@@ -92,6 +106,7 @@ class TrainConfig:
     draft: DraftSection = field(default_factory=DraftSection)
     training: TrainingSection = field(default_factory=TrainingSection)
     tracking: TrackingSection = field(default_factory=TrackingSection)
+    eval: EvalSection = field(default_factory=EvalSection)
 
     def validate(self, source: str = "recipe") -> None:
         t = self.training
@@ -112,6 +127,8 @@ class TrainConfig:
             (self.data.max_length >= 4, "data.max_length", "must be at least 4"),
             (self.data.eval_samples >= 0, "data.eval_samples", "must be >= 0"),
             (self.vocab.draft_vocab_size >= 1, "vocab.draft_vocab_size", "must be positive"),
+            (self.eval.num_prompts >= 1, "eval.num_prompts", "must be at least 1"),
+            (self.eval.max_new_tokens >= 1, "eval.max_new_tokens", "must be at least 1"),
             (
                 self.tracking.report_to in ("none", "wandb", "tensorboard"),
                 "tracking.report_to",

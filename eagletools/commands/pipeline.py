@@ -1,0 +1,34 @@
+"""`eagletools pipeline`: train, convert and evaluate on one recipe, resumably."""
+
+from __future__ import annotations
+
+import argparse
+
+from eagletools.commands import add_command
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = add_command(
+        subparsers, "pipeline",
+        "The whole job: vocabulary, training, conversion to both formats, evaluation, report",
+        "eagletools pipeline recipes/smollm2-135m-cpu.yaml --output-dir runs/demo",
+    )  # fmt: skip
+    p.add_argument(
+        "recipe_and_overrides",
+        nargs="+",
+        metavar="RECIPE [KEY=VALUE ...]",
+        help="a YAML recipe, then dotted overrides such as eval.num_prompts=20",
+    )
+    p.add_argument("--output-dir", required=True, help="run folder; finished stages are skipped")
+    p.set_defaults(func=_pipeline)
+
+
+def _pipeline(args: argparse.Namespace) -> int:
+    from eagletools.commands.train import split_recipe
+    from eagletools.config import load_config
+    from eagletools.pipeline import headline, run_pipeline
+
+    recipe, overrides = split_recipe(args.recipe_and_overrides)
+    summary = run_pipeline(load_config(recipe, overrides), args.output_dir)
+    print("\n".join(headline(summary)))
+    return 0

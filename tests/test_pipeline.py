@@ -1,0 +1,99 @@
+"""`eagletools pipeline` end to end on a tiny target, and its reuse of finished stages."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import tiny_model
+from test_data_chat import CORPUS, QWEN25, byte_bpe_tokenizer
+
+from eagletools.cli import main
+from eagletools.eval.benchmarks import Question
+from eagletools.pipeline import sample_across_categories
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("target")
+    tokenizer = byte_bpe_tokenizer(QWEN25)
+    tiny_model("llama", seed=1, vocab_size=len(tokenizer)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def write_inputs(tmp_path):
+    data = tmp_path / "chats.jsonl"
+    with data.open("w") as f:
+        for i in range(24):
+            user, reply = CORPUS[i % 4], CORPUS[(i + 1) % 4]
+            turns = [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
+            f.write(json.dumps({"messages": turns}) + "\n")
+    bench = tmp_path / "questions.jsonl"
+    bench.write_text(
+        json.dumps({"category": "chat", "turns": ["Hello there!", "And the fox?"]})
+        + "\n"
+        + json.dumps({"category": "code", "turns": ["def f(x):"]})
+        + "\n"
+    )
+    return data, bench
+
+
+def pipeline_args(target_dir, data, bench, out):
+    return [
+        "pipeline",
+        f"target.spec={target_dir}",
+        "target.dtype=float32",
+        f"data.train={data}",
+        "data.max_length=256",
+        "data.eval_samples=4",
+        "vocab.draft_vocab_size=64",
+        "training.max_steps=3",
+        "training.batch_size=4",
+        "training.ttt_steps=2",
+        "training.precision=fp32",
+        "training.eval_every=0",
+        "training.save_every=0",
+        f"eval.benchmarks=[{bench}]",
+        "eval.num_prompts=2",
+        "eval.max_new_tokens=8",
+        "eval.topk=2",
+        "eval.depth=2",
+        "eval.num_draft_tokens=4",
+        "--output-dir",
+        str(out),
+    ]
+
+
+def test_pipeline_runs_every_stage_then_reuses_them(target_dir, tmp_path, monkeypatch, capsys):
+    data, bench = write_inputs(tmp_path)
+    out = tmp_path / "run"
+    assert main(pipeline_args(target_dir, data, bench, out)) == 0
+    printed = capsys.readouterr().out
+    for phrase in ("vocabulary coverage:", "training simulated acceptance length:",
+                   "questions: tau", "over our baseline", "report:"):  # fmt: skip
+        assert phrase in printed
+    summary = json.loads((out / "summary.json").read_text())
+    assert 0 < summary["vocab_coverage"] <= 1
+    assert summary["simulated_acceptance_length"] >= 1
+    assert summary["benchmarks"]["questions"]["greedy_match_rate"] == 1.0
+    assert (out / "eagle" / "config.json").is_file()
+    assert json.loads((out / "speculators" / "config.json").read_text())["speculators_model_type"]
+    assert (out / "report.md").read_text().startswith("# EAGLE-3 draft for")
+
+    # a second run repeats no finished work
+    def fail(*args, **kwargs):
+        raise AssertionError("a finished stage ran again")
+
+    monkeypatch.setattr("eagletools.train.trainer.train", fail)
+    monkeypatch.setattr("eagletools.formats.convert.convert", fail)
+    monkeypatch.setattr("eagletools.eval.runner.run_eval", fail)
+    assert main(pipeline_args(target_dir, data, bench, out)) == 0
+    assert json.loads((out / "summary.json").read_text()) == summary
+
+
+def test_spec_bench_sample_spreads_over_categories():
+    questions = [Question(str(i), c, ("q",)) for i, c in enumerate("aaabbc")]
+    picked = sample_across_categories(questions, 4)
+    assert [q.category for q in picked] == ["a", "b", "c", "a"]
+    assert len(sample_across_categories(questions, 99)) == 6
