@@ -17,9 +17,11 @@ $(VENV)/.installed: pyproject.toml
 
 setup: $(VENV)/.installed
 
+# The whole job on the built-in target: vocabulary, training, conversion to
+# both formats, MT-bench and Spec-Bench evaluation, report. Rerunning it skips
+# every finished stage.
 demo: setup
-	$(VENV)/bin/eagletools vocab build --target smollm2-135m --data sharegpt \
-		--num-samples 2000 --size 16384 --output-dir runs/demo/vocab
+	$(VENV)/bin/eagletools pipeline recipes/smollm2-135m-cpu.yaml --output-dir runs/demo
 
 test: setup
 	$(PY) -m pytest tests
