@@ -159,6 +159,8 @@ class Trainer:
             torch.set_num_threads(t.num_threads)
         tracker = None if config.tracking.report_to == "none" else config.tracking.report_to
         self.acc = Accelerator(
+            # without a GPU, processes started by `accelerate launch` train on CPU over gloo
+            cpu=not torch.cuda.is_available(),
             mixed_precision="bf16" if t.precision == "bf16" else "no",
             log_with=tracker,
             project_dir=str(self.out),
@@ -216,6 +218,11 @@ class Trainer:
         self.history: list[dict[str, float]] = []
         if resume:
             self._resume()
+        elif ckpt.list_checkpoints(self.out / "checkpoints"):
+            raise UserError(
+                f"{self.out} already holds a training run; pass --resume to continue it "
+                "or choose another --output-dir"
+            )
 
     # -- state -------------------------------------------------------------
 

@@ -1,0 +1,62 @@
+"""Two CPU processes (gloo) started by `accelerate launch` follow the one-process run."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, {tests!r})
+    from test_train import random_dataset, tiny_config, tiny_target
+    from eagletools.train.trainer import train
+
+    out, batch_size = sys.argv[1], sys.argv[2]
+    config = tiny_config(f"training.batch_size={{batch_size}}", "training.max_steps=5",
+                         "training.grad_accum=2", "training.eval_every=5")
+    train(config, out, target=tiny_target(), dataset=random_dataset())
+    """
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def losses(out: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (out / "train_log.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_with_the_same_global_batch(tmp_path):
+    script = tmp_path / "run.py"
+    script.write_text(SCRIPT.format(tests=str(Path(__file__).parent)))
+    one = subprocess.run([sys.executable, str(script), str(tmp_path / "one"), "4"],
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert one.returncode == 0, one.stderr[-3000:]
+    accelerate = Path(sys.executable).parent / "accelerate"
+    cmd = [
+        str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+        "--mixed_precision", "no", "--dynamo_backend", "no",
+        "--main_process_port", str(free_port()), "--num_cpu_threads_per_process", "1",
+        str(script), str(tmp_path / "two"), "2",
+    ]  # fmt: skip
+    two = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert two.returncode == 0, two.stderr[-3000:]
+    a, b = losses(tmp_path / "one"), losses(tmp_path / "two")
+    assert len(a) == len(b) == 5
+    for x, y in zip(a, b, strict=True):
+        assert abs(x - y) <= 1e-4, (a, b)
+    m1 = json.loads((tmp_path / "one" / "metrics.json").read_text())
+    m2 = json.loads((tmp_path / "two" / "metrics.json").read_text())
+    assert abs(m1["loss"] - m2["loss"]) <= 1e-4
+    assert m1["trained_tokens"] == m2["trained_tokens"]
