@@ -1,0 +1,112 @@
+"""The offline hidden-state cache: exact contents, size, resume, rank sharding, refusal."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_train import random_dataset, tiny_config, tiny_target
+
+from eagletools.data import hidden_states as hs
+from eagletools.data.hidden_states import HiddenStateCache, write_hidden_states
+from eagletools.errors import UserError
+from eagletools.target import capture_aux
+from eagletools.train.trainer import Trainer, offline_inputs
+
+
+def write(target, dataset, path, **kwargs):
+    kwargs.setdefault("shard_size", 16)
+    return write_hidden_states(target, dataset, path, data_key="k", max_length=64, **kwargs)
+
+
+def test_cache_holds_the_targets_states(tmp_path):
+    target, dataset = tiny_target(), random_dataset(n=40)
+    write(target, dataset, tmp_path / "c", batch_tokens=50)
+    cache = HiddenStateCache.open(tmp_path / "c")
+    assert len(cache) == 40 and len(cache.manifest["shards"]) == 3
+    for i in (0, 17, 39):
+        ids = torch.tensor(dataset[i]["input_ids"])
+        out = capture_aux(target.model, ids[None], layer_ids=cache.aux_layer_ids)
+        batch = cache.batch([i])
+        assert torch.equal(batch.input_ids[0], ids)
+        assert batch.loss_mask[0].tolist() == dataset[i]["loss_mask"]
+        torch.testing.assert_close(batch.aux[0].float(), out.aux[0], atol=2e-2, rtol=1e-2)
+        torch.testing.assert_close(batch.last_hidden[0].float(), out.last_hidden[0],
+                                   atol=2e-2, rtol=1e-2)  # fmt: skip
+        assert batch.aux.dtype == torch.bfloat16
+
+
+def test_bytes_per_token_is_the_payload(tmp_path):
+    target = tiny_target()
+    write(target, random_dataset(n=40), tmp_path / "c", shard_size=64)
+    cache = HiddenStateCache.open(tmp_path / "c")
+    a, ht = len(cache.aux_layer_ids), target.info.hidden_size
+    payload = (a + 1) * ht * 2 + 4 + 1  # bf16 states, int32 id, int8 mask
+    assert payload <= cache.bytes_per_token() < payload * 1.02  # + offsets and one header
+
+
+def test_interrupted_write_resumes_where_it_stopped(tmp_path, monkeypatch):
+    target, dataset = tiny_target(), random_dataset(n=40)
+    real, calls = hs.atomic_file, []
+
+    def crash_on_third_shard(path):
+        calls.append(path)
+        if sum("shard-" in str(p) for p in calls) == 3:
+            raise KeyboardInterrupt
+        return real(path)
+
+    monkeypatch.setattr(hs, "atomic_file", crash_on_third_shard)
+    with pytest.raises(KeyboardInterrupt):
+        write(target, dataset, tmp_path / "c")
+    assert not json.loads((tmp_path / "c" / "manifest.json").read_text())["complete"]
+    with pytest.raises(UserError, match="incomplete"):
+        HiddenStateCache.open(tmp_path / "c")
+    monkeypatch.setattr(hs, "atomic_file", real)
+    done = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "c" / "shards").iterdir()}
+    assert sorted(done) == ["shard-00000.safetensors", "shard-00001.safetensors"]
+    write(target, dataset, tmp_path / "c")
+    again = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "c" / "shards").iterdir()}
+    assert all(again[name] == mtime for name, mtime in done.items())  # not rewritten
+    assert len(HiddenStateCache.open(tmp_path / "c")) == 40
+
+
+def test_ranks_write_disjoint_shards(tmp_path):
+    target, dataset = tiny_target(), random_dataset(n=40)
+    write(target, dataset, tmp_path / "c", rank=1, world_size=2)
+    names = sorted(p.name for p in (tmp_path / "c" / "shards").iterdir())
+    assert names == ["shard-00001.safetensors"]  # rank 1 of 2: shards 1, 3, ...
+    write(target, dataset, tmp_path / "c", rank=0, world_size=2)
+    assert len(HiddenStateCache.open(tmp_path / "c")) == 40
+
+
+def test_other_target_or_layers_refused(tmp_path):
+    dataset = random_dataset(n=20)
+    write(tiny_target(seed=0), dataset, tmp_path / "c")
+    with pytest.raises(UserError, match="another target"):
+        write(tiny_target(seed=1), dataset, tmp_path / "c")
+    with pytest.raises(UserError, match="another aux layer ids"):
+        write(tiny_target(seed=0), dataset, tmp_path / "c", layer_ids=[1, 2, 3])
+    base = ["data.hidden_states=" + str(tmp_path / "c"), "data.eval_samples=4"]
+    with pytest.raises(UserError, match="made for target 'tiny-llama'.*target.spec"):
+        offline_inputs(tiny_config(*base, "target.spec=other"))
+    with pytest.raises(UserError, match=r"holds aux layers \[2, 2, 1\]"):
+        offline_inputs(tiny_config(*base, "target.spec=tiny-llama", "target.aux_layer_ids=[1,2,3]"))
+
+
+def test_offline_training_matches_online_closely(tmp_path):
+    """Same data, same steps: the bf16 cache gives nearly the online loss."""
+    target, dataset = tiny_target(), random_dataset(n=40)
+    write(target, dataset, tmp_path / "c")
+    config = tiny_config("training.max_steps=3", "target.spec=tiny-llama",
+                         "data.hidden_states=" + str(tmp_path / "c"))  # fmt: skip
+    offline = Trainer(config, tmp_path / "off", offline_inputs(config))
+    offline.run()
+    from test_train import run
+
+    online, _ = run(tmp_path, tiny_config("training.max_steps=3"), "on", target=target,
+                    dataset=dataset)  # fmt: skip
+    assert offline.train_idx == online.train_idx
+    for a, b in zip(offline.history, online.history, strict=True):
+        assert abs(a["loss"] - b["loss"]) < 0.05 * abs(b["loss"])
+    assert offline.inputs.target_model is None  # the target was never loaded
