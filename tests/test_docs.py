@@ -1,0 +1,416 @@
+"""The docs cannot rot: every command shown in docs/*.md and README.md is checked.
+
+A fenced shell block (```sh, ```bash, ```shell, ```console) is one of:
+- run (no marker): each line is executed in order, in one scratch folder shared
+  by all pages, against tiny fixtures named as the docs name them: `my-target/`
+  (a random 4-layer Llama with a byte-level BPE tokenizer and a chat template),
+  `conversations.jsonl`, `questions.jsonl`, and drafts with the classic
+  faults: `old-draft/` (2048 positions, another RoPE theta, no aux layer ids),
+  `absolute-d2t-draft/` (target ids in `d2t` instead of offsets) and
+  `vllm-draft/` (a speculators config without `norm_before_residual`).
+  A marker `<!-- doc-test: exit N -->` expects exit status N instead of 0.
+- `<!-- doc-test: parse-only (why) -->`: needs GPUs, a big model or minutes;
+  each `eagletools` line is parsed by the real parser; `train` and `pipeline`
+  lines also resolve their recipe and overrides through `load_config`.
+A ```text block marked `<!-- doc-test: output -->` quotes the output of the
+block before it: each of its lines must match an output line, numbers aside.
+A block marked `<!-- doc-test: file NAME -->` is a file the reader saves as
+NAME (a recipe, say): commands may use it, and a recipe is checked by
+`load_config` like the ones in recipes/.
+
+Lines that are not eagletools are checked as far as they can be here: `make`
+targets exist in the Makefile, repository paths exist, `accelerate launch`
+flags parse with accelerate's own parser, vLLM's --speculative-config is JSON
+with the keys vLLM reads, and any other program must be in KNOWN_PROGRAMS.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import json
+import logging
+import re
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagletools.cli import build_parser, main
+
+ROOT = Path(__file__).resolve().parents[1]
+# Run order: later pages reuse what earlier ones wrote (runs/mine/final).
+PAGES = ["quickstart.md", "formats.md", "recipes.md", "troubleshooting.md", "index.md"]
+SHELL = {"sh", "bash", "shell", "console"}
+KNOWN_PROGRAMS = {"pip", "git", "cd", "vllm", "trtllm-serve", "python", "python3"}
+REPO_PATH = re.compile(r"^(recipes|docs|benchmarks|tests)/\S+$")
+
+
+@dataclass
+class Block:
+    page: str
+    line: int  # 1-based line of the opening fence
+    lang: str
+    mode: str  # "run", "parse-only", "output" or "file"
+    why: str = ""  # parse-only: the reason; file: the file name
+    exit: int = 0
+    commands: list[tuple[int, list[str]]] = field(default_factory=list)  # (line, argv)
+    text: str = ""
+
+    def where(self, line: int | None = None) -> str:
+        return f"{self.page}:{line or self.line}"
+
+
+MARKER = re.compile(r"<!--\s*doc-test:\s*(?P<mode>[a-z-]+)\s*(?P<arg>.*?)\s*-->")
+
+
+def doc_files() -> list[Path]:
+    found = sorted(p.name for p in (ROOT / "docs").glob("*.md"))
+    ordered = [p for p in PAGES if p in found] + [p for p in found if p not in PAGES]
+    return [ROOT / "docs" / p for p in ordered] + [ROOT / "README.md"]
+
+
+def parse_blocks(path: Path) -> list[Block]:
+    name = str(path.relative_to(ROOT))
+    lines = path.read_text().splitlines()
+    blocks, i, marker = [], 0, None
+    while i < len(lines):
+        line = lines[i]
+        m = MARKER.fullmatch(line.strip())
+        if m:
+            marker = (m["mode"], m["arg"], i + 1)
+        elif line.startswith("```") and line.strip() != "```":
+            lang = line[3:].strip().split()[0]
+            start, body = i + 1, []
+            i += 1
+            while i < len(lines) and lines[i].strip() != "```":
+                body.append(lines[i])
+                i += 1
+            blocks.append(_block(name, start, lang, body, marker))
+            marker = None
+        elif line.strip() and marker and not line.startswith("<!--"):
+            raise AssertionError(f"{name}:{marker[2]}: doc-test marker not followed by a block")
+        i += 1
+    return blocks
+
+
+def _block(page: str, start: int, lang: str, body: list[str], marker) -> Block:
+    mode, arg = (marker[0], marker[1]) if marker else ("run", "")
+    block = Block(page, start, lang, mode, text="\n".join(body))
+    if mode == "parse-only":
+        why = re.fullmatch(r"\((.+)\)", arg)
+        assert why, f"{block.where()}: parse-only needs a reason: parse-only (needs GPUs)"
+        block.why = why[1]
+    elif mode == "exit":
+        block.mode, block.exit = "run", int(arg)
+    elif mode == "file":
+        assert re.fullmatch(r"[\w.-]+", arg), f"{block.where()}: file needs a plain NAME"
+        block.why = arg
+    elif mode != "output" and marker:
+        raise AssertionError(f"{block.where()}: unknown doc-test marker {mode!r}")
+    if lang in SHELL:
+        block.commands = shell_commands(body, start, block)
+    return block
+
+
+def shell_commands(body: list[str], start: int, block: Block) -> list[tuple[int, list[str]]]:
+    """One argv per logical line (backslash continuations joined, comments dropped)."""
+    out, pending, first = [], "", 0
+    for n, raw in enumerate(body, start + 1):
+        if not pending:
+            first = n
+        if raw.rstrip().endswith("\\"):
+            pending += raw.rstrip()[:-1] + " "
+            continue
+        line, pending = pending + raw, ""
+        if raw.startswith(("$ ", "> ")):
+            raise AssertionError(f"{block.where(n)}: no prompts in shell blocks")
+        argv = shlex.split(line, comments=True)
+        if not argv:
+            continue
+        bad = {"|", "||", "&&", ";", ">", ">>", "<"} & set(argv)
+        assert not bad, f"{block.where(first)}: one plain command per line, found {bad}"
+        out.append((first, argv))
+    return out
+
+
+def split_env(argv: list[str]) -> tuple[dict[str, str], list[str]]:
+    env = {}
+    while argv and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", argv[0]):
+        key, _, value = argv[0].partition("=")
+        env[key] = value
+        argv = argv[1:]
+    return env, argv
+
+
+def eagletools_argv(argv: list[str]) -> list[str] | None:
+    """The eagletools arguments of a command line, or None if it runs something else."""
+    prog = Path(argv[0]).name
+    if prog == "eagletools":
+        return argv[1:]
+    if prog.startswith("python") and argv[1:3] == ["-m", "eagletools.cli"]:
+        return argv[3:]
+    if prog == "accelerate" and "-m" in argv:
+        at = argv.index("-m")
+        if argv[at + 1] == "eagletools.cli":
+            return argv[at + 2 :]
+    return None
+
+
+ALL_BLOCKS = [b for path in doc_files() for b in parse_blocks(path)]
+SHELL_BLOCKS = [b for b in ALL_BLOCKS if b.commands and b.mode != "file"]
+DOC_FILES = {b.why: b.text + "\n" for b in ALL_BLOCKS if b.mode == "file"}
+
+
+def parse_eagletools(args: list[str], where: str) -> None:
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            build_parser().parse_args(args)
+        except SystemExit as stop:
+            if stop.code:
+                pytest.fail(
+                    f"{where}: `eagletools {shlex.join(args)}` does not parse:\n{err.getvalue()}"
+                )
+
+
+def check_recipe(args: list[str], where: str, scratch: Path) -> None:
+    """A `train`/`pipeline` line's recipe and dotted overrides resolve (unknown keys fail)."""
+    from eagletools.commands.train import split_recipe
+    from eagletools.config import load_config
+    from eagletools.errors import UserError
+
+    ns = build_parser().parse_args(args)
+    recipe, overrides = split_recipe(ns.recipe_and_overrides)
+    if recipe in DOC_FILES:
+        (scratch / recipe).write_text(DOC_FILES[recipe])
+        recipe = scratch / recipe
+    elif recipe is not None:
+        assert (ROOT / recipe).is_file(), (
+            f"{where}: recipe {recipe} is neither in the repo nor shown"
+        )
+        recipe = ROOT / recipe
+    try:
+        load_config(recipe, overrides)
+    except UserError as err:
+        pytest.fail(f"{where}: `eagletools {shlex.join(args)}`: {err}")
+
+
+def check_other(argv: list[str], where: str) -> None:
+    """What can be checked of a line that is not eagletools, without running it."""
+    prog = Path(argv[0]).name
+    if prog == "make":
+        targets = set(re.findall(r"^([\w.-]+):", (ROOT / "Makefile").read_text(), re.M))
+        for target in (a for a in argv[1:] if "=" not in a and not a.startswith("-")):
+            assert target in targets, f"{where}: `make {target}`: no such Makefile target"
+    elif prog == "accelerate":
+        from accelerate.commands.launch import launch_command_parser
+
+        assert argv[1] == "launch", f"{where}: only `accelerate launch` is documented"
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            try:
+                launch_command_parser().parse_args(argv[2:])
+            except SystemExit:
+                pytest.fail(f"{where}: accelerate rejects {shlex.join(argv)}:\n{err.getvalue()}")
+    elif prog == "vllm":
+        assert argv[1] == "serve", f"{where}: only `vllm serve` is documented"
+        if "--speculative-config" in argv:
+            spec = json.loads(argv[argv.index("--speculative-config") + 1])
+            assert spec["method"] == "eagle3", where
+            assert {"model", "num_speculative_tokens"} <= set(spec), where
+    elif prog.startswith("python") and argv[1:2] == ["-m"]:
+        assert argv[2] in {"sglang.launch_server"}, f"{where}: unknown module {argv[2]}"
+    else:
+        assert prog in KNOWN_PROGRAMS, (
+            f"{where}: unknown program {prog!r}; add it to KNOWN_PROGRAMS"
+        )
+    for arg in argv[1:]:
+        if REPO_PATH.match(arg):
+            assert (ROOT / arg).exists(), f"{where}: {arg} does not exist in the repository"
+
+
+@pytest.mark.parametrize("block", SHELL_BLOCKS, ids=lambda b: b.where())
+def test_every_command_parses(block, tmp_path):
+    for line, argv in block.commands:
+        where = block.where(line)
+        _, argv = split_env(argv)
+        args = eagletools_argv(argv)
+        if argv[0].startswith("accelerate") or args is None:
+            check_other(argv, where)
+        if args is None:
+            continue
+        parse_eagletools(args, where)
+        for arg in args:
+            if REPO_PATH.match(arg):
+                assert (ROOT / arg).exists(), f"{where}: {arg} does not exist in the repository"
+        if args[:1] in (["train"], ["pipeline"]):
+            check_recipe(args, where, tmp_path)
+
+
+def test_markers_are_used_as_documented():
+    assert SHELL_BLOCKS, "no shell blocks found: is the block syntax still ```sh?"
+    for block in ALL_BLOCKS:
+        if block.mode == "output":
+            assert block.lang == "text", f"{block.where()}: an output block is ```text"
+    pages = {b.page for b in SHELL_BLOCKS}
+    for page in ("quickstart.md", "formats.md", "recipes.md", "troubleshooting.md"):
+        assert f"docs/{page}" in pages, f"docs/{page} shows no command"
+
+
+def test_help_examples_parse():
+    """The `example:` at the end of every --help (shown in docs/cli.md) parses too."""
+    parser = build_parser()
+    seen = 0
+    stack = [parser]
+    while stack:
+        p = stack.pop()
+        for action in p._actions:
+            if hasattr(action, "choices") and isinstance(action.choices, dict):
+                stack += list(action.choices.values())
+        if p.epilog and p.epilog.startswith("example:"):
+            argv = shlex.split(p.epilog.split("\n", 1)[1])
+            assert argv[0] == "eagletools", p.prog
+            parse_eagletools(argv[1:], f"{p.prog} --help")
+            seen += 1
+    assert seen >= 8
+
+
+def _make_cli():
+    spec = importlib.util.spec_from_file_location("make_cli", ROOT / "docs" / "make_cli.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cli_reference_is_current():
+    make_cli = _make_cli()
+    page = make_cli.render()
+    for name in ("train", "convert", "inspect", "eval", "generate", "vocab build"):
+        assert f"`eagletools {name}`" in page
+    assert make_cli.CLI_MD.read_text() == page, (
+        "docs/cli.md is stale: run `.venv/bin/python docs/make_cli.py` and commit it"
+    )
+
+
+# --- running the runnable blocks ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """The files the docs name: a tiny target, conversations, questions, faulty drafts."""
+    from conftest import tiny_model
+    from safetensors.torch import load_file, save_file
+    from test_data import SHAREGPT, ULTRACHAT, write_jsonl
+    from test_data_chat import TEMPLATES, byte_bpe_tokenizer
+    from test_formats import make_ckpt
+
+    from eagletools.formats import save_checkpoint
+
+    work = tmp_path_factory.mktemp("docs")
+    (work / "recipes").symlink_to(ROOT / "recipes")  # commands run from the clone's root
+    model = tiny_model("llama", seed=3, vocab_size=400, max_position_embeddings=4096)
+    model.save_pretrained(work / "my-target")
+    byte_bpe_tokenizer(TEMPLATES["qwen2.5"][0]).save_pretrained(work / "my-target")
+    write_jsonl(work / "conversations.jsonl", [SHAREGPT, ULTRACHAT] * 40)
+    write_jsonl(
+        work / "questions.jsonl",
+        [{"question_id": 1, "category": "chat", "turns": ["Hello there", "And again?"]},
+         {"question_id": 2, "category": "code", "turns": ["Write a loop."]}],
+    )  # fmt: skip
+    # the classic mistakes of public drafts: 2048 positions, another RoPE, no aux ids
+    old = make_ckpt(
+        vocab_size=400, max_position_embeddings=2048, rope_theta=500000.0, aux_layer_ids=None
+    )
+    save_checkpoint(old, work / "old-draft", "eagle")
+    # d2t written as absolute target ids instead of offsets
+    save_checkpoint(old, work / "absolute-d2t-draft", "eagle")
+    weights = work / "absolute-d2t-draft" / "model.safetensors"
+    tensors = load_file(weights)
+    tensors["d2t"] = torch.nonzero(tensors["t2d"]).flatten()
+    save_file(tensors, weights)
+    # a speculators config from before norm_before_residual was written
+    save_checkpoint(
+        make_ckpt(vocab_size=400, aux_layer_ids=[2, 2, 1]), work / "vllm-draft", "speculators"
+    )
+    config = json.loads((work / "vllm-draft" / "config.json").read_text())
+    del config["norm_before_residual"]
+    (work / "vllm-draft" / "config.json").write_text(json.dumps(config))
+    return work
+
+
+def run_line(argv: list[str], where: str, monkeypatch) -> tuple[int, str]:
+    env, argv = split_env(argv)
+    args = eagletools_argv(argv)
+    if args is None or argv[0] == "accelerate":
+        check_other(argv, where)  # not run here (a server, pip, make): checked as far as possible
+        return 0, ""
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)  # log lines are output a reader sees too
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    logging.getLogger().addHandler(handler)
+    with monkeypatch.context() as m:
+        for key, value in env.items():
+            m.setenv(key, value)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            try:
+                rc = main(args)
+            except SystemExit as stop:
+                rc = stop.code or 0
+            finally:
+                logging.getLogger().removeHandler(handler)
+    return rc, out.getvalue()
+
+
+def number_blind(line: str) -> re.Pattern:
+    """A quoted output line as a pattern in which every number may differ."""
+    parts = re.split(r"-?\d+(?:\.\d+)?(?:e[-+]?\d+)?", line.strip())
+    return re.compile(r"-?\d+(?:\.\d+)?(?:e[-+]?\d+)?".join(map(re.escape, parts)))
+
+
+@pytest.mark.slow
+def test_runnable_blocks_run(workdir, tmp_path, monkeypatch):
+    monkeypatch.chdir(workdir)
+    monkeypatch.setenv("EAGLETOOLS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: threads only spin against each other
+    ran, last_output = 0, None
+    try:
+        for block in ALL_BLOCKS:
+            if block.mode == "output":
+                assert last_output is not None, f"{block.where()}: output of what?"
+                got = [line.strip() for line in last_output.splitlines()]
+                for quoted in filter(str.strip, block.text.splitlines()):
+                    pattern = number_blind(quoted)
+                    assert any(pattern.fullmatch(g) for g in got), (
+                        f"{block.where()}: quoted line not in the real output:\n  {quoted}\n"
+                        f"real output:\n{last_output}"
+                    )
+                continue
+            if block.mode == "file":
+                (workdir / block.why).write_text(block.text + "\n")
+            if block.mode != "run" or not block.commands:
+                continue
+            last_output = ""
+            for line, argv in block.commands:
+                where = block.where(line)
+                rc, output = run_line(argv, where, monkeypatch)
+                last_output += output
+                want = block.exit if line == block.commands[-1][0] else 0
+                assert rc == want, f"{where}: `{shlex.join(argv)}` exited {rc}:\n{output}"
+                ran += 1
+    finally:
+        torch.set_num_threads(threads)
+    assert ran >= 10
+
+
+@pytest.mark.parametrize("page", doc_files(), ids=lambda p: p.name)
+def test_relative_links_resolve(page):
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+    for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
+        if "://" not in target:
+            assert (page.parent / target).exists(), f"{page.name}: broken link {target}"
