@@ -85,6 +85,11 @@ def test_multi_turn_reuses_the_cache(tokenizer):
     # a different conversation reuses only the common prefix
     third = spec.generate(turn1[:10] + [1, 2, 3], 5)
     assert third.reused_tokens <= 9
+    # decoders sharing one runtime never reuse each other's cache
+    baseline = BaselineDecoder(runtime, tokenizer)
+    assert baseline.generate(turn2, 20).tokens == fresh.tokens
+    again = spec.generate(turn2, 20)
+    assert again.reused_tokens == 0 and again.tokens == fresh.tokens
 
 
 def test_stops_on_eos_stop_string_and_max_tokens(tokenizer):
@@ -197,3 +202,26 @@ def test_bad_inputs(tokenizer):
         spec.generate([], 5)
     with pytest.raises(UserError, match="prompt has 600 tokens but the context holds 512"):
         spec.generate([5] * 600, 5)
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_smollm2_greedy_lossless_and_equal_to_hf():
+    """fp32: speculative == our baseline == HF generate on two MT-bench first turns."""
+    from eagletools.eval.benchmarks import load_benchmark
+    from eagletools.eval.runner import chat_ids
+    from eagletools.target import load_target
+
+    target = load_target("smollm2-135m", dtype=torch.float32)
+    runtime = Transformer.from_hf(target.model)
+    baseline = BaselineDecoder(runtime, target.tokenizer, max_seq_len=1024)
+    spec = SpeculativeDecoder(runtime, random_draft(target.model), target.tokenizer, 4, 4, 12)
+    eos = sorted(baseline.eos_ids)
+    for question in load_benchmark("mt-bench", num_prompts=2):
+        ids = chat_ids(target.tokenizer, [{"role": "user", "content": question.turns[0]}])
+        expected = baseline.generate(ids, 32).tokens
+        assert spec.generate(ids, 32).tokens == expected
+        hf = target.model.generate(
+            torch.tensor([ids]), max_new_tokens=32, do_sample=False, eos_token_id=eos
+        )
+        assert hf[0, len(ids) :].tolist() == expected

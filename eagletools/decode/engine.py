@@ -160,6 +160,8 @@ def eos_token_ids(tokenizer) -> set[int]:
 class BaselineDecoder:
     """Plain autoregressive decoding in our runtime: one target forward per token."""
 
+    margin = 1  # cache slots a step needs beyond the sequence
+
     def __init__(self, model: Transformer, tokenizer, max_seq_len: int | None = None):
         self.model = model
         self.tokenizer = tokenizer  # None: token ids only, no text
@@ -199,14 +201,13 @@ class BaselineDecoder:
             )
         return prompt
 
-    margin = 1
-
     def _choose(self, logits: torch.Tensor, sampling: Sampling, generator) -> int:
         if sampling.greedy:
             return int(logits.argmax())
         return int(torch.multinomial(sampling.probs(logits), 1, generator=generator))
 
-    def _prefill(self, prompt: list[int], reuse: int, aux_ids=()) -> tuple[torch.Tensor, ...]:
+    def _prefill(self, prompt: list[int], reuse: int, aux_ids=()):
+        """Run the prompt after the reused prefix: (last logits [V], aux [1,T,A*H] or None)."""
         model = self.model
         ids = torch.tensor([prompt[reuse:]], device=model.device)
         positions = torch.arange(reuse, len(prompt), device=model.device)
