@@ -354,8 +354,8 @@ class SpeculativeDecoder(BaselineDecoder):
             )
             path, n_acc, bonus = self._verify(tree, logits[0], sampling, generator)
             nodes = path[0, : int(n_acc) + 1]
-            if int(n_acc):
-                for cache in model.kv_caches():
+            if not torch.equal(nodes, torch.arange(len(nodes), device=nodes.device)):
+                for cache in model.kv_caches():  # a chain needs no move
                     kernels.compact_kv(cache.k, cache.v, (length + nodes)[None], length)
             new = [*tree.tokens[nodes[1:]].tolist(), int(bonus)]
             self.seq.extend(new)
