@@ -120,6 +120,20 @@ def test_stops_on_eos_stop_string_and_max_tokens(tokenizer):
         )
 
 
+def test_stops_when_the_context_is_full(tokenizer):
+    model = tiny_model("mistral", seed=7, vocab_size=V)
+    runtime = Transformer.from_hf(model)
+    prompt = list(range(40, 70))
+    for decoder in (
+        BaselineDecoder(runtime, tokenizer, max_seq_len=40),
+        SpeculativeDecoder(runtime, random_draft(model), tokenizer, 2, 2, 4, max_seq_len=40),
+    ):
+        decoder.eos_ids = set()
+        r = decoder.generate(prompt, 30)
+        assert r.stop_reason == "context"
+        assert len(prompt) + len(r.tokens) <= 40 + 1  # the last token needs no cache slot
+
+
 def _exact_first_tokens(model, prompt, sampling, n=3):
     """The target's distribution over its first n sampled tokens, by enumeration."""
     v = model.config.vocab_size

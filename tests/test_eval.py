@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from conftest import tiny_model
+from test_decode_engine import one_thread  # noqa: F401  (autouse: one CPU thread)
 
 from eagletools.cli import main
 from eagletools.errors import UserError
@@ -15,15 +15,6 @@ from eagletools.eval.benchmarks import load_benchmark, read_questions
 from eagletools.eval.metrics import acceptance, summarize
 
 SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared/data/spec_bench/question.jsonl"
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls on a shared 2-core machine: two threads spin against each other."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

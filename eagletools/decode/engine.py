@@ -99,6 +99,11 @@ class _Stopper:
         self.streamed = 0  # characters of `text` given to on_text
         self.reason = ""
 
+    def give_up(self, reason: str) -> None:
+        """Stop for a reason of the decoder's own (the context is full)."""
+        self.reason = reason
+        self._emit(final=True)
+
     def add(self, new_tokens: Sequence[int]) -> bool:
         """Append tokens; True once generation must stop (the tokens are then cut)."""
         for i, tok in enumerate(new_tokens):
@@ -161,6 +166,7 @@ class BaselineDecoder:
     """Plain autoregressive decoding in our runtime: one target forward per token."""
 
     margin = 1  # cache slots a step needs beyond the sequence
+    aux_ids: tuple[int, ...] = ()  # target hidden states the prefill must also return
 
     def __init__(self, model: Transformer, tokenizer, max_seq_len: int | None = None):
         self.model = model
@@ -206,12 +212,12 @@ class BaselineDecoder:
             return int(logits.argmax())
         return int(torch.multinomial(sampling.probs(logits), 1, generator=generator))
 
-    def _prefill(self, prompt: list[int], reuse: int, aux_ids=()):
+    def _prefill(self, prompt: list[int], reuse: int):
         """Run the prompt after the reused prefix: (last logits [V], aux [1,T,A*H] or None)."""
         model = self.model
         ids = torch.tensor([prompt[reuse:]], device=model.device)
         positions = torch.arange(reuse, len(prompt), device=model.device)
-        logits, aux = model(ids, positions, reuse, aux_layer_ids=aux_ids, last_only=True)
+        logits, aux = model(ids, positions, reuse, aux_layer_ids=self.aux_ids, last_only=True)
         self.seq, self.target_len = list(prompt), len(prompt)
         return logits[0, -1], aux
 
@@ -225,33 +231,33 @@ class BaselineDecoder:
         on_text: Callable[[str], None] | None = None,
         generator: torch.Generator | None = None,
     ) -> Result:
+        """Continue `prompt` (token ids); cached KV of a shared prefix is reused."""
         prompt = self._check_prompt(prompt)
         start = time.perf_counter()
         reuse = self._reusable(prompt)
-        logits, _ = self._prefill(prompt, reuse)
+        logits, aux = self._prefill(prompt, reuse)
         stop = _Stopper(self.tokenizer, self.eos_ids, max_new_tokens, stop_strings, on_text)
         token = self._choose(logits, sampling, generator)
         self.seq.append(token)
-        steps = 0
-        while not stop.add([token]):
+        accepted = []
+        if not stop.add([token]):
+            self._decode(token, aux, reuse, stop, accepted, sampling, generator)
+        seconds = time.perf_counter() - start
+        return Result(stop.tokens, stop.text, stop.reason, len(prompt), reuse, seconds, accepted)
+
+    def _decode(self, token, aux, reuse, stop, accepted, sampling, generator) -> None:
+        """Generate after the first token until `stop` says so; one entry per step in `accepted`."""
+        while True:
             if self.target_len + 1 > self.model.cache_len:
-                stop.reason = "context"
-                break
+                return stop.give_up("context")
             pos = torch.tensor([self.target_len], device=self.model.device)
             logits, _ = self.model(torch.tensor([[token]], device=pos.device), pos, pos.item())
             self.target_len += 1
-            steps += 1
+            accepted.append(0)
             token = self._choose(logits[0, -1], sampling, generator)
             self.seq.append(token)
-        return Result(
-            stop.tokens,
-            stop.text,
-            stop.reason,
-            len(prompt),
-            reuse,
-            time.perf_counter() - start,
-            [0] * steps,
-        )
+            if stop.add([token]):
+                return
 
 
 class SpeculativeDecoder(BaselineDecoder):
@@ -313,32 +319,13 @@ class SpeculativeDecoder(BaselineDecoder):
         )
         return logits[0], h[0]
 
-    @torch.inference_mode()
-    def generate(
-        self,
-        prompt: Sequence[int],
-        max_new_tokens: int = 256,
-        sampling: Sampling = Sampling(),
-        stop_strings: Sequence[str] = (),
-        on_text: Callable[[str], None] | None = None,
-        generator: torch.Generator | None = None,
-    ) -> Result:
-        prompt = self._check_prompt(prompt)
+    def _decode(self, root, aux, reuse, stop, accepted, sampling, generator) -> None:
         model = self.model
-        start = time.perf_counter()
-        reuse = self._reusable(prompt)
-        logits, aux = self._prefill(prompt, reuse, self.aux_ids)
-        stop = _Stopper(self.tokenizer, self.eos_ids, max_new_tokens, stop_strings, on_text)
-        root = self._choose(logits, sampling, generator)
-        self.seq.append(root)
         d_logits, d_hidden = self._draft_extend(aux[0], self.seq[reuse + 1 :], reuse)
-        accepted = []
-        done = stop.add([root])
-        while not done:
+        while True:
             length = self.target_len
             if length + self.num_draft_tokens > model.cache_len:
-                stop.reason = "context"
-                break
+                return stop.give_up("context")
             tree = grow_tree(
                 self._draft_step,
                 root,
@@ -362,18 +349,9 @@ class SpeculativeDecoder(BaselineDecoder):
             self.target_len = length + len(nodes)
             accepted.append(len(new) - 1)
             root = new[-1]
-            done = stop.add(new)
-            if not done:
-                d_logits, d_hidden = self._draft_extend(aux[0, nodes], new, length)
-        return Result(
-            stop.tokens,
-            stop.text,
-            stop.reason,
-            len(prompt),
-            reuse,
-            time.perf_counter() - start,
-            accepted,
-        )
+            if stop.add(new):
+                return
+            d_logits, d_hidden = self._draft_extend(aux[0, nodes], new, length)
 
     def _verify(self, tree, logits: torch.Tensor, sampling: Sampling, generator):
         tokens, parents = tree.tokens[None], tree.parents[None]
