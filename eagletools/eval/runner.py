@@ -126,6 +126,8 @@ def converse(
 
 
 def _ours(decoder, s: Settings, generator: torch.Generator):
+    decoder.reset()  # each question starts cold, as HF generate does; its turns reuse the cache
+
     def generate(ids):
         r: Result = decoder.generate(ids, s.max_new_tokens, s.sampling, generator=generator)
         return r.tokens, r.seconds, r.accepted
