@@ -268,9 +268,9 @@ class SpeculativeDecoder(BaselineDecoder):
         model: Transformer,
         draft,
         tokenizer,
-        topk: int = 8,
-        depth: int = 6,
-        num_draft_tokens: int = 32,
+        topk: int = 4,
+        depth: int = 5,
+        num_draft_tokens: int = 16,
         max_seq_len: int | None = None,
     ):
         from eagletools.draft import DraftKVCache
