@@ -18,7 +18,7 @@ import json
 import statistics
 
 from eagletools.atomic import write_text
-from eagletools.eval.benchmarks import Question, load_benchmark
+from eagletools.eval.benchmarks import load_benchmark
 from eagletools.eval.runner import Settings, run_eval
 
 
@@ -66,10 +66,7 @@ def main() -> None:
     p.add_argument("--output", help="write the figures and per-prompt records here (JSON)")
     args = p.parse_args()
 
-    questions = [
-        Question(q.id, q.category, q.turns[:1])
-        for q in load_benchmark("mt-bench", args.num_prompts)
-    ]
+    questions = load_benchmark("mt-bench", args.num_prompts, max_turns=1)
     s = Settings(
         target=args.target,
         draft=args.draft,

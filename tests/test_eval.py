@@ -37,6 +37,7 @@ def test_builtin_benchmarks():
     mt = load_benchmark("mt-bench")
     assert len(mt) == 80 and all(len(q.turns) == 2 for q in mt)
     assert mt[0].id == "81" and mt[0].category == "writing"
+    assert [len(q.turns) for q in load_benchmark("mt-bench", 3, max_turns=1)] == [1, 1, 1]
     he = load_benchmark("humaneval", num_prompts=5)
     assert len(he) == 5 and he[0].id == "HumanEval/0" and "def " in he[0].turns[0]
 

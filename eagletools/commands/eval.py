@@ -20,6 +20,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="mt-bench, humaneval, spec-bench, or a JSONL file of {turns: [...]} / {prompt: ...}",
     )
     p.add_argument("--num-prompts", type=int, help="first N questions (default: all)")
+    p.add_argument("--max-turns", type=int, help="first N turns of each question (default: all)")
     p.add_argument("--output-dir", required=True, help="results.json, results.md and PNG plots")
     p.add_argument(
         "--hf-baseline", action="store_true", help="also time Hugging Face generate on each prompt"
@@ -41,7 +42,7 @@ def _eval(args: argparse.Namespace) -> int:
     from eagletools.eval.report import log_wandb, markdown, write_report
     from eagletools.eval.runner import run_eval
 
-    questions = load_benchmark(args.bench, args.num_prompts)
+    questions = load_benchmark(args.bench, args.num_prompts, args.max_turns)
     s = settings_from_args(
         args,
         bench=args.bench,

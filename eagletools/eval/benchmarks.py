@@ -40,7 +40,9 @@ def spec_bench_path() -> Path:
     return path
 
 
-def load_benchmark(spec: str, num_prompts: int | None = None) -> list[Question]:
+def load_benchmark(
+    spec: str, num_prompts: int | None = None, max_turns: int | None = None
+) -> list[Question]:
     """Questions of a built-in benchmark or a JSONL file, in file order."""
     from eagletools import assets
 
@@ -61,6 +63,10 @@ def load_benchmark(spec: str, num_prompts: int | None = None) -> list[Question]:
         if num_prompts < 1:
             raise UserError(f"--num-prompts must be at least 1, got {num_prompts}")
         questions = questions[:num_prompts]
+    if max_turns is not None:
+        if max_turns < 1:
+            raise UserError(f"--max-turns must be at least 1, got {max_turns}")
+        questions = [Question(q.id, q.category, q.turns[:max_turns]) for q in questions]
     return questions
 
 
