@@ -59,12 +59,15 @@ class TrainingSection:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     weight_decay: float = 0.0
     warmup_ratio: float = 0.015
+    warmup_steps: int | None = None  # overrides warmup_ratio
     min_lr_ratio: float = 0.0  # cosine decays to lr * min_lr_ratio
     grad_clip: float = 0.5
     batch_size: int = 1  # per process, per micro-batch
     grad_accum: int = 1
     num_epochs: float = 1.0
     max_steps: int | None = None  # optimizer steps; overrides num_epochs
+    max_minutes: float | None = None  # stop after this much training time; the cosine
+    # schedule then follows the larger of the step and the time progress
     precision: str = "bf16"  # bf16 (autocast) | fp32
     seed: int = 0
     bucket_size: int = 64  # batches are drawn from length-sorted buckets of this many batches
@@ -120,6 +123,12 @@ class TrainConfig:
             (t.grad_accum >= 1, "training.grad_accum", "must be at least 1"),
             (t.num_epochs > 0, "training.num_epochs", "must be positive"),
             (t.max_steps is None or t.max_steps >= 1, "training.max_steps", "must be >= 1"),
+            (t.max_minutes is None or t.max_minutes > 0, "training.max_minutes", "must be > 0"),
+            (
+                t.warmup_steps is None or t.warmup_steps >= 0,
+                "training.warmup_steps",
+                "must be >= 0",
+            ),
             (t.precision in ("bf16", "fp32"), "training.precision", "must be bf16 or fp32"),
             (t.keep_last >= 1, "training.keep_last", "must be at least 1"),
             (t.max_bad_steps >= 1, "training.max_bad_steps", "must be at least 1"),

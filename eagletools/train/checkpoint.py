@@ -5,7 +5,7 @@ Layout of `OUT/checkpoints/step-NNNNNNNN/` (written atomically, last k kept):
     model.safetensors     draft weights, `eagle` keys, fp32, with d2t/t2d, no embed_tokens
     draft_config.json     `DraftConfig.to_dict()`
     optimizer.pt          optimizer state_dict (tensors and numbers only)
-    state.pt              scheduler state_dict and RNG states (torch, python)
+    state.pt              RNG states (torch, python)
     trainer_state.json    step, data position (epoch, batch), counters, recipe
 
 The `.pt` files hold tensors, numbers and strings only and are read with
@@ -52,7 +52,6 @@ def save_checkpoint(
     step: int,
     draft: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
-    scheduler: Any,
     trainer_state: dict[str, Any],
     keep_last: int,
 ) -> Path:
@@ -68,7 +67,7 @@ def save_checkpoint(
             (tmp / "draft_config.json").write_text(json.dumps(draft.config.to_dict(), indent=2))
             torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
             rng = {"torch": torch.get_rng_state(), "python": list(random.getstate()[1])}
-            torch.save({"scheduler": scheduler.state_dict(), "rng": rng}, tmp / "state.pt")
+            torch.save({"rng": rng}, tmp / "state.pt")
             (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
     except OSError as err:
         kept = f"the previous checkpoint {previous[-1]} is intact" if previous else "none existed"
@@ -82,9 +81,10 @@ def save_checkpoint(
 
 
 def load_checkpoint(
-    path: Path, draft: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any
+    path: Path, draft: torch.nn.Module, optimizer: torch.optim.Optimizer
 ) -> dict[str, Any]:
-    """Restore weights, optimizer, scheduler and RNG from `path`; return the trainer state."""
+    """Restore weights, optimizer and RNG from `path`; return the trainer state (with the
+    step and elapsed seconds the learning-rate schedule follows)."""
     from safetensors.torch import load_file
 
     needed = ["model.safetensors", "optimizer.pt", "state.pt", "trainer_state.json"]
@@ -102,7 +102,6 @@ def load_checkpoint(
         )
     optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
     state = torch.load(path / "state.pt", weights_only=True)
-    scheduler.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["rng"]["torch"])
     random.setstate((3, tuple(state["rng"]["python"]), None))
     return json.loads((path / "trainer_state.json").read_text())

@@ -49,14 +49,12 @@ class TrainInputs:
     identity: dict[str, Any]
 
 
-def warmup_cosine(warmup: int, total: int, min_ratio: float):
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return factor
+def lr_factor(step: int, progress: float, warmup_steps: int, min_ratio: float) -> float:
+    """Linear warmup over `warmup_steps`, then cosine over `progress` in [0, 1]."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return min_ratio + (1 - min_ratio) * cosine
 
 
 def online_inputs(config: TrainConfig, target: Any = None, dataset: Any = None) -> TrainInputs:
@@ -203,9 +201,8 @@ class Trainer:
         self.total = t.max_steps or total_steps(
             len(self.train_idx), self.global_batch, t.grad_accum, t.num_epochs
         )
-        warmup = round(t.warmup_ratio * self.total)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, warmup_cosine(warmup, self.total, t.min_lr_ratio)
+        self.warmup = (
+            t.warmup_steps if t.warmup_steps is not None else round(t.warmup_ratio * self.total)
         )
         self.model, self.optimizer = self.acc.prepare(model, optimizer)
         self.draft = self.acc.unwrap_model(self.model).draft
@@ -213,7 +210,7 @@ class Trainer:
         self.d2t = self.draft.d2t
         self.state: dict[str, Any] = {
             "step": 0, "epoch": 0, "batch": 0, "tokens": 0, "skipped_nan_steps": 0,
-            "bad_in_row": 0, "skipped_masked_samples": self.skipped_masked,
+            "bad_in_row": 0, "skipped_masked_samples": self.skipped_masked, "seconds": 0.0,
         }  # fmt: skip
         self.history: list[dict[str, float]] = []
         if resume:
@@ -232,7 +229,7 @@ class Trainer:
             raise UserError(
                 f"--resume: no checkpoint under {self.out / 'checkpoints'}; start without --resume"
             )
-        state = ckpt.load_checkpoint(found[-1], self.draft, self.optimizer, self.scheduler)
+        state = ckpt.load_checkpoint(found[-1], self.draft, self.optimizer)
         if state["recipe"] != self.config.to_dict():
             raise UserError(
                 f"--resume: {found[-1]} was written with another recipe; resume with the same "
@@ -253,7 +250,7 @@ class Trainer:
             state = {"position": self.state, "recipe": self.config.to_dict()}
             ckpt.save_checkpoint(
                 self.out / "checkpoints", self.state["step"], self.draft, self.optimizer,
-                self.scheduler, state, self.config.training.keep_last,
+                state, self.config.training.keep_last,
             )  # fmt: skip
             with atomic_file(self.out / "train_log.jsonl") as tmp:
                 tmp.write_text("".join(json.dumps(h) + "\n" for h in self.history))
@@ -290,8 +287,32 @@ class Trainer:
             out.append(self.inputs.source.batch([self.train_idx[i] for i in mine]))
         return out
 
+    def _progress(self) -> float:
+        """Share of the schedule done: by steps, or by time under training.max_minutes."""
+        t, step = self.config.training, self.state["step"]
+        by_steps = (step - self.warmup) / max(1, self.total - self.warmup)
+        if t.max_minutes is None:
+            return by_steps
+        return max(by_steps, self.state["seconds"] / (60 * t.max_minutes))
+
+    def _out_of_time(self) -> bool:
+        """training.max_minutes reached on any rank (all ranks stop together)."""
+        limit = self.config.training.max_minutes
+        if limit is None:
+            return False
+        late = torch.tensor(float(self.state["seconds"] >= 60 * limit), device=self.acc.device)
+        return bool(self.acc.reduce(late, "sum") > 0)
+
+    def _set_lr(self) -> float:
+        t = self.config.training
+        lr = t.lr * lr_factor(self.state["step"], self._progress(), self.warmup, t.min_lr_ratio)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
     def train_step(self) -> dict[str, float]:
         t = self.config.training
+        lr = self._set_lr()
         batches = self._micro_batches()
         norm = sum(step_counts(b.loss_mask, t.ttt_steps) for b in batches).to(self.acc.device)
         norm = self.acc.reduce(norm, "sum") / self.acc.num_processes
@@ -317,8 +338,6 @@ class Trainer:
             self.optimizer.step()
             self.state["bad_in_row"] = 0
         self.optimizer.zero_grad(set_to_none=True)
-        lr = self.scheduler.get_last_lr()[0]
-        self.scheduler.step()
         self.state["step"] += 1
         self.state["batch"] += t.grad_accum
         self.state["tokens"] += int(
@@ -381,24 +400,27 @@ class Trainer:
                    desc="train", unit="step")  # fmt: skip
         start, start_tokens = time.perf_counter(), self.state["tokens"]
         eval_metrics: dict[str, float] = {}
-        while self.state["step"] < self.total:
+        finished = self.state["step"] >= self.total
+        while not finished:
+            step_start = time.perf_counter()
             metrics = self.train_step()
+            self.state["seconds"] += time.perf_counter() - step_start
             step = self.state["step"]
+            finished = step >= self.total or self._out_of_time()
             speed = (self.state["tokens"] - start_tokens) / (time.perf_counter() - start)
             metrics["tokens_per_s"] = speed
             self.history.append({"step": step, "loss": metrics["loss"], "lr": metrics["lr"]})
             bar.update(1)
             bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc0=f"{metrics['acc_0']:.2f}",
                             tok_s=f"{speed:.0f}")  # fmt: skip
-            if step % t.log_every == 0 or step == self.total:
+            if step % t.log_every == 0 or finished:
                 self.acc.log({f"train/{k}": v for k, v in metrics.items()}, step=step)
-            done = step == self.total
-            if (t.eval_every and step % t.eval_every == 0) or done:
+            if (t.eval_every and step % t.eval_every == 0) or finished:
                 eval_metrics = self.evaluate() if self.eval_idx else {}
                 self.acc.log({f"eval/{k}": v for k, v in eval_metrics.items()}, step=step)
                 if eval_metrics and self.acc.is_main_process:
                     log.info("step %d held-out %s", step, _fmt(eval_metrics))
-            if (t.save_every and step % t.save_every == 0) or done:
+            if (t.save_every and step % t.save_every == 0) or finished:
                 self._save()
             if self.stop_after is not None and step >= self.stop_after:
                 break
@@ -418,7 +440,7 @@ class Trainer:
             "vocab": self.vocab_report,
             **self.inputs.identity,
         }
-        if self.state["step"] >= self.total and self.acc.is_main_process:
+        if finished and self.acc.is_main_process:
             self._write_final()
             write_text(self.out / "metrics.json", json.dumps(result, indent=2))
         self.acc.wait_for_everyone()

@@ -1,0 +1,212 @@
+"""Replace a dataset's assistant replies with the target's own (self-distillation).
+
+Turn by turn: the reply to user turn k is generated from the history with the
+regenerated replies to turns < k, as the target would see it when serving.
+Conversations go in chunks; each finished chunk is written atomically to
+`OUT.parts/`, so an interrupted run resumes at the first missing chunk, and
+the parts are joined into `OUT` (JSONL, `messages: [{role, content}]`) at the end.
+
+Two backends: a local target (HF `generate`, batched, left-padded) and any
+OpenAI-compatible server (`/v1/chat/completions`, as vLLM and SGLang serve)
+for targets too big for this machine.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from eagletools.atomic import atomic_file, write_text
+from eagletools.data.conversations import Conversation
+from eagletools.errors import UserError
+
+log = logging.getLogger(__name__)
+
+Chat = list[dict[str, str]]  # OpenAI-style messages
+Generate = Callable[[list[Chat]], list[str]]  # a batch of histories -> one reply each
+
+
+@dataclass
+class Sampling:
+    max_new_tokens: int = 512
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    seed: int = 0
+
+
+def segments(conversation: Conversation) -> list[Chat]:
+    """The non-assistant messages before each reply: [[system, user1], [user2], ...]."""
+    out: list[Chat] = []
+    pending: Chat = []
+    for m in conversation:
+        if m.role == "assistant":
+            continue
+        pending.append({"role": m.role, "content": m.content})
+        if m.role == "user":
+            out.append(pending)
+            pending = []
+    return out
+
+
+def regenerate_chunk(conversations: list[Conversation], generate: Generate) -> list[Chat]:
+    """Every conversation of the chunk, replies regenerated turn by turn (batched per turn)."""
+    parts = [segments(c) for c in conversations]
+    histories: list[Chat] = [[] for _ in conversations]
+    for turn in range(max((len(p) for p in parts), default=0)):
+        active = [i for i, p in enumerate(parts) if turn < len(p)]
+        for i in active:
+            histories[i] += parts[i][turn]
+        replies = generate([histories[i] for i in active])
+        for i, reply in zip(active, replies, strict=True):
+            histories[i].append({"role": "assistant", "content": reply})
+    return histories
+
+
+def local_generator(target: Any, sampling: Sampling, batch_size: int = 8) -> Generate:
+    """Replies from a local target with HF `generate`, `batch_size` histories at a time."""
+    import torch
+
+    tokenizer, model = target.tokenizer, target.model
+    if not tokenizer.chat_template:
+        raise UserError(
+            f"target {target.info.name_or_path}: its tokenizer has no chat template, "
+            "so replies cannot be generated; use an instruct model or --server"
+        )
+    pad_id = (
+        tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    )
+
+    def generate(chats: list[Chat]) -> list[str]:
+        replies = []
+        for start in range(0, len(chats), batch_size):
+            batch = chats[start : start + batch_size]
+            prompts = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False)
+                       for c in batch]  # fmt: skip
+            ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+            width = max(len(x) for x in ids)
+            input_ids = torch.tensor([[pad_id] * (width - len(x)) + x for x in ids])
+            mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
+            torch.manual_seed(sampling.seed + start)
+            sample = sampling.temperature > 0
+            out = model.generate(
+                input_ids=input_ids.to(model.device),
+                attention_mask=mask.to(model.device),
+                max_new_tokens=sampling.max_new_tokens,
+                do_sample=sample,
+                temperature=sampling.temperature if sample else None,
+                top_p=sampling.top_p if sample else None,
+                top_k=None,
+                pad_token_id=pad_id,
+            )
+            for row in out[:, width:]:
+                replies.append(tokenizer.decode(row, skip_special_tokens=True).strip())
+        return replies
+
+    return generate
+
+
+def _endpoint(url: str, path: str) -> str:
+    base = url.rstrip("/")
+    return f"{base}/{path}" if base.endswith("/v1") else f"{base}/v1/{path}"
+
+
+def _request(url: str, body: dict | None, timeout: float) -> dict:
+    data = json.dumps(body).encode() if body is not None else None
+    headers = {"Content-Type": "application/json"}
+    req = urllib.request.Request(url, data=data, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        detail = err.read().decode(errors="replace")[:300]
+        raise UserError(f"{url}: the server answered HTTP {err.code}: {detail}") from err
+    except (urllib.error.URLError, TimeoutError, OSError) as err:
+        raise UserError(f"{url}: could not reach the server ({err}); is it running?") from err
+    except json.JSONDecodeError as err:
+        raise UserError(f"{url}: the server's answer is not JSON ({err})") from err
+
+
+def server_generator(
+    url: str,
+    sampling: Sampling,
+    model: str | None = None,
+    concurrency: int = 8,
+    timeout: float = 600.0,
+) -> Generate:
+    """Replies from an OpenAI-compatible server, `concurrency` requests at a time."""
+    if model is None:
+        listing = _request(_endpoint(url, "models"), None, timeout)
+        try:
+            model = listing["data"][0]["id"]
+        except (KeyError, IndexError, TypeError):
+            raise UserError(f"{url}: /v1/models lists no model; pass --model") from None
+
+    def one(chat: Chat) -> str:
+        body = {
+            "model": model,
+            "messages": chat,
+            "max_tokens": sampling.max_new_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "seed": sampling.seed,
+        }
+        answer = _request(_endpoint(url, "chat/completions"), body, timeout)
+        try:
+            return answer["choices"][0]["message"]["content"].strip()
+        except (KeyError, IndexError, TypeError, AttributeError):
+            raise UserError(f"{url}: unexpected answer {str(answer)[:200]}") from None
+
+    def generate(chats: list[Chat]) -> list[str]:
+        with ThreadPoolExecutor(max_workers=concurrency) as pool:
+            return list(pool.map(one, chats))
+
+    return generate
+
+
+def regenerate(
+    conversations: list[Conversation],
+    generate: Generate,
+    output: str | Path,
+    *,
+    identity: dict[str, Any],
+    chunk_size: int = 64,
+) -> Path:
+    """Regenerate every conversation into `output` (JSONL), resuming from `output.parts/`.
+
+    `identity` (data, backend, sampling) is kept with the parts; a rerun with
+    another identity is refused rather than mixing replies of two settings.
+    """
+    from tqdm.auto import tqdm
+
+    output = Path(output)
+    parts = output.with_name(output.name + ".parts")
+    parts.mkdir(parents=True, exist_ok=True)
+    stamp = parts / "identity.json"
+    if stamp.is_file() and json.loads(stamp.read_text()) != identity:
+        raise UserError(
+            f"{parts}: holds replies made with other settings ({stamp.read_text()}); delete it "
+            "or rerun with the same data, target/server and sampling to resume"
+        )
+    write_text(stamp, json.dumps(identity, indent=2))
+    chunks = range(0, len(conversations), chunk_size)
+    bar = tqdm(total=len(conversations), desc="regenerate", unit="conv")
+    for start in chunks:
+        part = parts / f"part-{start // chunk_size:05d}.jsonl"
+        batch = conversations[start : start + chunk_size]
+        if not part.is_file():
+            lines = [json.dumps({"messages": chat}) for chat in regenerate_chunk(batch, generate)]
+            with atomic_file(part) as tmp:
+                tmp.write_text("".join(line + "\n" for line in lines))
+        bar.update(len(batch))
+    bar.close()
+    with atomic_file(output) as tmp, open(tmp, "w") as out:
+        for start in chunks:
+            out.write((parts / f"part-{start // chunk_size:05d}.jsonl").read_text())
+    return output

@@ -1,0 +1,147 @@
+"""Regeneration: turn by turn, batched, resumable; a local OpenAI-compatible server."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from eagletools.data.conversations import Message, load_conversations
+from eagletools.data.regenerate import (
+    Sampling,
+    regenerate,
+    regenerate_chunk,
+    segments,
+    server_generator,
+)
+from eagletools.errors import UserError
+
+
+def conv(*turns):
+    return [Message(role, text) for role, text in turns]
+
+
+CONVERSATIONS = [
+    conv(("system", "be brief"), ("user", "hi"), ("assistant", "old"), ("user", "more"),
+         ("assistant", "old2")),
+    conv(("user", "one"), ("assistant", "old")),
+    conv(("user", "a"), ("assistant", "x"), ("user", "b"), ("assistant", "y"), ("user", "c"),
+         ("assistant", "z")),
+]  # fmt: skip
+
+
+class FakeServer:
+    """An OpenAI-compatible endpoint whose reply names the history it saw."""
+
+    def __init__(self, fail_after=None):
+        self.requests: list[dict] = []
+        self.fail_after = fail_after
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _send(self, code, body):
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self._send(200, {"data": [{"id": "fake-target"}]})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                outer.requests.append(body)
+                if outer.fail_after is not None and len(outer.requests) > outer.fail_after:
+                    self._send(500, {"error": "overloaded"})
+                    return
+                history = "|".join(m["content"] for m in body["messages"])
+                self._send(200, {"choices": [{"message": {"content": f" R({history}) "}}]})
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def server():
+    s = FakeServer()
+    yield s
+    s.close()
+
+
+def test_segments_split_at_user_turns():
+    assert segments(CONVERSATIONS[0]) == [
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
+        [{"role": "user", "content": "more"}],
+    ]
+
+
+def test_turn_by_turn_history_uses_regenerated_replies(server):
+    out = regenerate_chunk(CONVERSATIONS, server_generator(server.url, Sampling()))
+    assert [m["content"] for m in out[2]] == [
+        "a", "R(a)", "b", "R(a|R(a)|b)", "c", "R(a|R(a)|b|R(a|R(a)|b)|c)",
+    ]  # fmt: skip
+    assert out[0][0] == {"role": "system", "content": "be brief"}
+    assert [m["role"] for m in out[0]] == ["system", "user", "assistant", "user", "assistant"]
+    assert {r["model"] for r in server.requests} == {"fake-target"}  # from /v1/models
+    assert server.requests[0]["temperature"] == 0.0
+
+
+def test_output_loads_as_a_dataset_and_resumes(tmp_path):
+    server = FakeServer(fail_after=3)  # chunk 0 (conversations 0-1) takes 3 requests
+    try:
+        generate = server_generator(server.url + "/v1", Sampling(max_new_tokens=7), model="m")
+        out = tmp_path / "regen.jsonl"
+        identity = {"data": "test", "server": server.url}
+        with pytest.raises(UserError, match="HTTP 500.*overloaded"):
+            regenerate(CONVERSATIONS, generate, out, identity=identity, chunk_size=2)
+        assert not out.exists()
+        assert [p.name for p in sorted((tmp_path / "regen.jsonl.parts").glob("part-*"))] == [
+            "part-00000.jsonl"
+        ]
+        server.fail_after = None
+        before = len(server.requests)
+        regenerate(CONVERSATIONS, generate, out, identity=identity, chunk_size=2)
+        assert len(server.requests) - before == 3  # only chunk 1 (3 turns) was asked again
+        assert server.requests[-1]["max_tokens"] == 7
+        loaded, report = load_conversations(str(out))
+        assert len(loaded) == 3
+        assert loaded[1][-1].content == "R(one)"
+        with pytest.raises(UserError, match="other settings"):
+            regenerate(CONVERSATIONS, generate, out, identity={"data": "other"}, chunk_size=2)
+    finally:
+        server.close()
+
+
+def test_unreachable_server_is_a_clear_error():
+    with pytest.raises(UserError, match="could not reach the server"):
+        server_generator("http://127.0.0.1:9", Sampling(), timeout=5)
+
+
+@pytest.mark.integration
+def test_local_target_replies_greedily(tmp_path):
+    """A tiny random Llama with the built-in target's tokenizer and chat template."""
+    from conftest import tiny_model
+
+    from eagletools.data.regenerate import local_generator
+    from eagletools.target import Target, TargetInfo, load_tokenizer
+
+    tokenizer = load_tokenizer("smollm2-135m")
+    model = tiny_model("llama", vocab_size=len(tokenizer))
+    target = Target(model, tokenizer, TargetInfo.from_config(model.config, "tiny"))
+    generate = local_generator(target, Sampling(max_new_tokens=4), batch_size=2)
+    first = regenerate_chunk(CONVERSATIONS, generate)
+    assert first == regenerate_chunk(CONVERSATIONS, generate)  # greedy: deterministic
+    assert [sum(m["role"] == "assistant" for m in c) for c in first] == [2, 1, 3]
+    assert all(m["content"] != "old" for c in first for m in c)
