@@ -95,3 +95,13 @@ def test_every_shipped_recipe_loads(recipe):
     if recipe.name.startswith("accelerate"):
         pytest.skip("an accelerate config, not a recipe")
     assert isinstance(load_config(recipe), TrainConfig)
+
+
+def test_cli_prints_the_resolved_recipe_and_rejects_typos(capsys):
+    from eagletools.cli import main
+
+    recipe = str(RECIPES / "smollm2-135m-cpu.yaml")
+    assert main(["train", recipe, "training.lr=1e-3", "--output-dir", "x", "--print-config"]) == 0
+    assert "lr: 0.001" in capsys.readouterr().out
+    assert main(["train", recipe, "training.lrr=1", "--output-dir", "x"]) == 2
+    assert "unknown key 'training.lrr'" in capsys.readouterr().err

@@ -145,3 +145,17 @@ def test_local_target_replies_greedily(tmp_path):
     assert first == regenerate_chunk(CONVERSATIONS, generate)  # greedy: deterministic
     assert [sum(m["role"] == "assistant" for m in c) for c in first] == [2, 1, 3]
     assert all(m["content"] != "old" for c in first for m in c)
+
+
+def test_cli_regenerate_against_the_server(tmp_path, server, capsys):
+    from eagletools.cli import main
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "q"},
+                                             {"role": "assistant", "content": "old"}]}) + "\n")  # fmt: skip
+    out = tmp_path / "out.jsonl"
+    argv = ["data", "regenerate", "--data", str(data), "--server", server.url, "--output", str(out)]
+    assert main(argv) == 0
+    assert json.loads(out.read_text())["messages"][1] == {"role": "assistant", "content": "R(q)"}
+    assert main(["data", "regenerate", "--data", str(data), "--output", str(out)]) == 2
+    assert "exactly one of --target" in capsys.readouterr().err

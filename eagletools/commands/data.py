@@ -42,6 +42,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     sub = parser.add_subparsers(dest="data_command", metavar="ACTION", required=True)
     _register_prepare(sub)
+    _register_hidden_states(sub)
+    _register_regenerate(sub)
 
 
 def _register_prepare(sub: argparse._SubParsersAction) -> None:
@@ -55,4 +57,101 @@ def _register_prepare(sub: argparse._SubParsersAction) -> None:
 
 def _prepare(args: argparse.Namespace) -> int:
     print(prepare_from_args(args).summary())
+    return 0
+
+
+def _register_hidden_states(sub: argparse._SubParsersAction) -> None:
+    p = add_command(
+        sub, "hidden-states",
+        "Run the target once and cache its aux + last hidden states for offline training",
+        "eagletools data hidden-states --target smollm2-135m --data sharegpt --num-samples 2000 "
+        "--max-length 512 --output-dir runs/hs",
+    )  # fmt: skip
+    add_prepare_args(p)
+    p.add_argument("--output-dir", required=True, help="cache folder (rerun to resume)")
+    p.add_argument("--aux-layer-ids", default=None, help="HF indices, e.g. 2,15,27")
+    p.add_argument("--shard-size", type=int, default=256, help="samples per shard file")
+    p.add_argument("--batch-tokens", type=int, default=8192, help="tokens per target forward")
+    p.add_argument("--dtype", default="bfloat16", help="target dtype (the cache is bf16)")
+    p.set_defaults(func=_hidden_states)
+
+
+def _hidden_states(args: argparse.Namespace) -> int:
+    import torch
+
+    from eagletools.data.hidden_states import HiddenStateCache, write_hidden_states
+    from eagletools.errors import UserError
+    from eagletools.target import load_target
+
+    try:
+        layer_ids = [int(x) for x in args.aux_layer_ids.split(",")] if args.aux_layer_ids else None
+    except ValueError:
+        raise UserError(
+            f"--aux-layer-ids {args.aux_layer_ids!r}: give integers like 2,15,27"
+        ) from None
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    target = load_target(args.target, dtype=getattr(torch, args.dtype), device=device)
+    prepared = prepare_from_args(args, tokenizer=target.tokenizer)
+    print(prepared.summary())
+    root = write_hidden_states(
+        target, prepared.dataset, args.output_dir, data_key=prepared.key,
+        max_length=args.max_length, layer_ids=layer_ids, shard_size=args.shard_size,
+        batch_tokens=args.batch_tokens,
+    )  # fmt: skip
+    if HiddenStateCache.is_complete(root):
+        cache = HiddenStateCache.open(root)
+        print(f"{root}: {len(cache)} samples, {cache.bytes_per_token():.0f} bytes per token")
+    else:
+        print(f"{root}: this rank is done; the manifest completes when every rank is")
+    return 0
+
+
+def _register_regenerate(sub: argparse._SubParsersAction) -> None:
+    p = add_command(
+        sub, "regenerate",
+        "Replace assistant replies with the target's own, turn by turn (local or --server)",
+        "eagletools data regenerate --target smollm2-135m --data mt-bench-prompts.jsonl "
+        "--output regen.jsonl --max-new-tokens 256",
+    )  # fmt: skip
+    p.add_argument("--data", required=True, help="built-in dataset, .json/.jsonl file or folder")
+    p.add_argument(
+        "--output", required=True, help="JSONL file to write (resumes from OUTPUT.parts)"
+    )
+    p.add_argument("--target", help="local target: built-in name, HF folder, hub id or .gguf")
+    p.add_argument("--server", help="OpenAI-compatible server URL (vLLM, SGLang) instead")
+    p.add_argument("--model", help="model name on the server (default: its first listed)")
+    p.add_argument("--num-samples", type=int, default=None, help="first N usable conversations")
+    p.add_argument("--max-new-tokens", type=int, default=512)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=8, help="histories per generate / requests")
+    p.add_argument("--chunk-size", type=int, default=64, help="conversations per resumable part")
+    p.set_defaults(func=_regenerate)
+
+
+def _regenerate(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from eagletools.data.conversations import load_conversations
+    from eagletools.data.regenerate import Sampling, local_generator, regenerate, server_generator
+    from eagletools.errors import UserError
+
+    if bool(args.target) == bool(args.server):
+        raise UserError("give exactly one of --target (local) or --server URL")
+    sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p, args.seed)
+    conversations, report = load_conversations(args.data, args.num_samples)
+    print(report.summary())
+    if args.server:
+        generate = server_generator(args.server, sampling, args.model, args.batch_size)
+        backend = {"server": args.server, "model": args.model}
+    else:
+        from eagletools.target import load_target
+
+        generate = local_generator(load_target(args.target), sampling, args.batch_size)
+        backend = {"target": args.target}
+    identity = {"data": args.data, "num_samples": args.num_samples, **backend, **asdict(sampling)}
+    out = regenerate(conversations, generate, args.output, identity=identity,
+                     chunk_size=args.chunk_size)  # fmt: skip
+    print(f"{out}: {len(conversations)} conversations with regenerated replies")
     return 0

@@ -221,6 +221,11 @@ class HiddenStateCache:
                 self.samples.append(_Sample(k, a, b))
                 self.masks.append(mask[a:b].long())
 
+    @staticmethod
+    def is_complete(path: str | Path) -> bool:
+        manifest = Path(path) / "manifest.json"
+        return manifest.is_file() and bool(json.loads(manifest.read_text()).get("complete"))
+
     @classmethod
     def open(cls, path: str | Path) -> HiddenStateCache:
         root = Path(path)
