@@ -36,6 +36,7 @@ class DataSection:
     eval_samples: int = 64  # held-out conversations, split off with the seed
     chat_template: str | None = None
     hidden_states: str | None = None  # offline: a cache from `eagletools data hidden-states`
+    offline: bool = False  # build that cache in OUT/hidden-states first, then train from it
 
 
 @dataclass

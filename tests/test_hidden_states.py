@@ -110,3 +110,16 @@ def test_offline_training_matches_online_closely(tmp_path):
     for a, b in zip(offline.history, online.history, strict=True):
         assert abs(a["loss"] - b["loss"]) < 0.05 * abs(b["loss"])
     assert offline.inputs.target_model is None  # the target was never loaded
+
+
+def test_offline_in_one_command_builds_then_reuses_the_cache(tmp_path):
+    from eagletools.train.trainer import train
+
+    config = tiny_config("data.offline=true", "target.spec=tiny-llama", "training.max_steps=2")
+    result = train(config, tmp_path / "o", target=tiny_target(), dataset=random_dataset(n=40))
+    assert result["mode"] == "offline" and result["steps"] == 2
+    assert HiddenStateCache.is_complete(tmp_path / "o" / "hidden-states")
+    # a rerun reads the cache: it never loads the target ("tiny-llama" is no loadable spec)
+    resumed = tiny_config("data.offline=true", "target.spec=tiny-llama", "training.max_steps=3")
+    with pytest.raises(UserError, match="another recipe"):
+        train(resumed, tmp_path / "o", resume=True)

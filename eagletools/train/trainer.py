@@ -83,10 +83,10 @@ def online_inputs(config: TrainConfig, target: Any = None, dataset: Any = None) 
     )
 
 
-def offline_inputs(config: TrainConfig) -> TrainInputs:
+def offline_inputs(config: TrainConfig, path: str | Path | None = None) -> TrainInputs:
     from eagletools.data.hidden_states import HiddenStateCache
 
-    cache = HiddenStateCache.open(config.data.hidden_states)
+    cache = HiddenStateCache.open(path or config.data.hidden_states)
     cache.check_target(config.target.spec)
     if config.target.aux_layer_ids is not None:
         cache.check_layers(config.target.aux_layer_ids, source="target.aux_layer_ids")
@@ -492,6 +492,41 @@ def train(
     """
     if config.data.hidden_states:
         inputs = offline_inputs(config)
+    elif config.data.offline:
+        inputs = offline_inputs(config, build_cache(config, output_dir, target, dataset))
     else:
         inputs = online_inputs(config, target, dataset)
     return Trainer(config, output_dir, inputs, resume=resume, stop_after=stop_after).run()
+
+
+def build_cache(
+    config: TrainConfig, output_dir: str | Path, target: Any = None, dataset: Any = None
+) -> Path:
+    """data.offline: run the target once over the data into OUT/hidden-states (resumable,
+    sharded over processes), so every epoch after reads it instead of running the target."""
+    from accelerate import PartialState
+
+    from eagletools.data import prepare
+    from eagletools.data.hidden_states import HiddenStateCache, write_hidden_states
+    from eagletools.target import load_target
+
+    path = Path(output_dir) / "hidden-states"
+    if HiddenStateCache.is_complete(path):
+        return path
+    state = PartialState(cpu=not torch.cuda.is_available())
+    d = config.data
+    if target is None:
+        target = load_target(config.target.spec, dtype=getattr(torch, config.target.dtype),
+                             device=state.device)  # fmt: skip
+    key = "given"
+    if dataset is None:
+        prepared = prepare(config.target.spec, d.train, d.max_length, d.num_samples,
+                           chat_template=d.chat_template, tokenizer=target.tokenizer)  # fmt: skip
+        dataset, key = prepared.dataset, prepared.key
+    write_hidden_states(
+        target, dataset, path, data_key=key, max_length=d.max_length,
+        layer_ids=config.target.aux_layer_ids, rank=state.process_index,
+        world_size=state.num_processes,
+    )  # fmt: skip
+    state.wait_for_everyone()
+    return path
