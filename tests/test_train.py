@@ -92,7 +92,10 @@ def test_train_writes_final_eagle_checkpoint_and_metrics(tmp_path):
     assert torch.equal(final.tensors["t2d"], trainer.vocab.t2d)
     assert final.config.draft_vocab_size == 128
     torch.testing.assert_close(final.tensors["fc.weight"].float(), trainer.draft.fc.weight)
-    assert len(list((out / "checkpoints").iterdir())) == 2  # keep_last
+    steps = sorted((out / "checkpoints").iterdir())
+    assert [p.name for p in steps] == ["step-00000006", "step-00000008"]  # keep_last 2
+    assert detect_format(steps[-1]) == "training"  # formats reads our checkpoint's draft
+    assert torch.equal(load_checkpoint(steps[-1]).tensors["d2t"], trainer.vocab.d2t)
 
 
 def test_training_lowers_the_held_out_loss(tmp_path):
