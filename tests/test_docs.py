@@ -359,7 +359,6 @@ def number_blind(line: str) -> re.Pattern:
     return re.compile(r"-?\d+(?:\.\d+)?(?:e[-+]?\d+)?".join(map(re.escape, parts)))
 
 
-@pytest.mark.slow
 def test_runnable_blocks_run(workdir, tmp_path, monkeypatch):
     monkeypatch.chdir(workdir)
     monkeypatch.setenv("EAGLETOOLS_CACHE", str(tmp_path / "cache"))
