@@ -98,6 +98,7 @@ def test_train_writes_final_eagle_checkpoint_and_metrics(tmp_path):
     assert torch.equal(load_checkpoint(steps[-1]).tensors["d2t"], trainer.vocab.d2t)
 
 
+@pytest.mark.slow
 def test_training_lowers_the_held_out_loss(tmp_path):
     """With a peaked teacher (scaled lm_head) the draft has something to learn."""
 
@@ -118,6 +119,7 @@ def test_training_lowers_the_held_out_loss(tmp_path):
     assert after["acc_0"] > before["acc_0"] + 0.03
 
 
+@pytest.mark.slow
 def test_resume_follows_the_same_loss_trajectory(tmp_path):
     config = tiny_config("training.max_steps=9", "training.save_every=3")
     full, _ = run(tmp_path, config, "full")
