@@ -25,7 +25,16 @@ log = logging.getLogger(__name__)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 # (topk, depth, num_draft_tokens) shapes --autotune times: chains and small-to-large trees
-AUTOTUNE_GRID = ((1, 3, 4), (1, 5, 6), (2, 4, 8), (4, 4, 12), (4, 5, 16), (8, 5, 24), (8, 6, 32))
+AUTOTUNE_GRID = (
+    (1, 2, 3),
+    (1, 3, 4),
+    (1, 5, 6),
+    (2, 4, 8),
+    (4, 4, 12),
+    (4, 5, 16),
+    (8, 5, 24),
+    (8, 6, 32),
+)
 
 
 @dataclass
