@@ -19,7 +19,7 @@ from torch import nn
 
 from eagletools import kernels
 from eagletools.errors import UserError
-from eagletools.rope import RotaryEmbedding, apply_rope
+from eagletools.rope import RotaryEmbedding, rotate_half
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
 
@@ -115,6 +115,7 @@ def attention(q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
     b, hq, t, d = q.shape
     hkv, s = k.shape[1], k.shape[2]
     if t > 64:
+        k, v = k.to(q.dtype), v.to(q.dtype)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     group = hq // hkv
     scores = q.reshape(b, hkv, group * t, d).float() @ k.float().transpose(-1, -2) * d**-0.5
@@ -139,13 +140,13 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, start: int, mask: torch.Tensor | None) -> torch.Tensor:
         b, t, _ = x.shape
         q_size, kv_size = self.n_heads * self.hd, self.n_kv * self.hd
-        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(b, t, self.n_heads, self.hd)
-        k = k.view(b, t, self.n_kv, self.hd)
+        qk, v = self.wqkv(x).split([q_size + kv_size, kv_size], dim=-1)
+        qk = qk.view(b, t, self.n_heads + self.n_kv, self.hd)
         if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q.transpose(1, 2), cos, sin)
-        k = apply_rope(k.transpose(1, 2), cos, sin)
+            q, k = qk.split([self.n_heads, self.n_kv], dim=2)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=2)
+        qk = qk * cos + rotate_half(qk) * sin  # q and k heads in one pass: fewer ops per layer
+        q, k = qk.transpose(1, 2).split([self.n_heads, self.n_kv], dim=1)
         v = v.view(b, t, self.n_kv, self.hd).transpose(1, 2)
         k, v = self.kv_cache.update(start, k, v)
         if q.is_cuda and mask is not None and t <= 64:  # verification: the Triton kernel
@@ -240,9 +241,11 @@ class Transformer(nn.Module):
         if self.layers[0].attention.kv_cache is not None and self.cache_len == max_len:
             return
         a = self.args
+        # fp32 K/V on CPU: attention runs in fp32 there, so nothing is upcast per step
+        dtype = torch.float32 if self.device.type == "cpu" else self.dtype
         for block in self.layers:
             block.attention.kv_cache = KVCache(
-                batch, a.n_kv_heads, max_len, a.head_dim, self.dtype, self.device
+                batch, a.n_kv_heads, max_len, a.head_dim, dtype, self.device
             )
         self.cache_len = max_len
         self.cache_owner = None
@@ -277,7 +280,7 @@ class Transformer(nn.Module):
         mask = None
         if t > 1 or tree_mask is not None:
             mask = extend_mask(start, t, tree_mask, self.device)
-        cos, sin = self.rotary(positions, self.dtype)
+        cos, sin = (c.unsqueeze(-2) for c in self.rotary(positions, self.dtype))  # [T,1,hd]
         x = self.tok_embeddings(input_ids)
         states = {}
         for i, block in enumerate(self.layers):
