@@ -260,3 +260,17 @@ def test_train_entry_point_with_given_target(tmp_path):
         target=tiny_target("qwen3"), dataset=random_dataset(),
     )  # fmt: skip
     assert result["steps"] == 2 and result["mode"] == "online"
+
+
+def test_tensorboard_tracker_writes_events(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    config = tiny_config("tracking.report_to=tensorboard", "training.max_steps=2",
+                         "training.log_every=1")  # fmt: skip
+    run(tmp_path, config)
+    run_dir = tmp_path / "out" / "eagletools"  # project_dir / tracking.project
+    acc = EventAccumulator(str(run_dir))  # the run's events (hparams go to a subfolder)
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"train/acc_0", "train/lr", "train/tokens_per_s", "eval/loss"} <= tags
+    assert [e.step for e in acc.Scalars("train/loss")] == [1, 2]
