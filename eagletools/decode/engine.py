@@ -131,8 +131,8 @@ class _Stopper:
                 return
 
     def _emit(self, final: bool) -> None:
-        if self.tokenizer is None:
-            return
+        if self.tokenizer is None or not (final or self.on_text):
+            return  # nobody reads the text before the end
         text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
         if final and self.reason == "stop_string":
             text = text[: min(text.find(s) for s in self.stop_strings if s in text)]
