@@ -22,16 +22,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
-
-import torch
 
 from eagletools.atomic import write_text
 from eagletools.decode import SpeculativeDecoder
 from eagletools.eval.benchmarks import load_benchmark
-from eagletools.eval.runner import Settings, chat_ids, load_decoders, machine
+from eagletools.eval.runner import Settings, chat_ids, hf_generate, load_decoders, machine
 
 # name -> generate(ids) -> (new tokens, seconds, target forwards or None)
 Method = Callable[[list[int]], tuple[list[int], float, int | None]]
@@ -46,22 +43,12 @@ def ours(decoder, max_new_tokens: int) -> Method:
     return generate
 
 
-def hugging_face(model, eos: list[int], max_new_tokens: int, **kwargs) -> Method:
-    @torch.inference_mode()
+def hugging_face(model, eos: set[int], max_new_tokens: int, **kwargs) -> Method:
+    run = hf_generate(model, max_new_tokens, eos, **kwargs)
+
     def generate(ids):
-        x = torch.tensor([ids], device=model.device)
-        start = time.perf_counter()
-        out = model.generate(
-            x,
-            attention_mask=torch.ones_like(x),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            eos_token_id=eos,
-            pad_token_id=eos[0],
-            **kwargs,
-        )
-        tokens = out[0, len(ids) :].tolist()
-        return tokens, time.perf_counter() - start, None
+        tokens, seconds, _ = run(ids)
+        return tokens, seconds, None  # HF does not report its target forwards
 
     return generate
 
@@ -113,7 +100,7 @@ def main() -> None:
                  topk=topk, depth=depth, num_draft_tokens=n_draft)  # fmt: skip
     decoders = load_decoders(s)
     target, tokenizer = decoders.target, decoders.target.tokenizer
-    eos = sorted(decoders.baseline.eos_ids)
+    eos = decoders.baseline.eos_ids
     chain = SpeculativeDecoder(
         decoders.runtime, decoders.speculative.draft, tokenizer,
         1, args.chain_depth, args.chain_depth + 1,

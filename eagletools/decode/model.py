@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eagletools import kernels
+from eagletools.draft.model import RMSNorm
 from eagletools.errors import UserError
 from eagletools.rope import RotaryEmbedding, rotate_half
 
@@ -76,17 +77,6 @@ def extend_mask(
     if tree_mask is None:
         tree_mask = torch.ones(n, n, dtype=torch.bool, device=device).tril()
     return torch.cat([tree_mask.new_ones(n, start), tree_mask], dim=1)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # one fused op (fp32 inside) instead of six: per-op overhead matters at batch 1 on CPU
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 class KVCache(nn.Module):

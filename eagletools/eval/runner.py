@@ -144,11 +144,21 @@ def _ours(decoder, s: Settings, generator: torch.Generator):
     return generate
 
 
-def _hf(target, s: Settings, eos: set[int]):
-    model = target.model
-    kwargs = dict(do_sample=False)
-    if not s.sampling.greedy:
-        kwargs = dict(do_sample=True, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
+def hf_generate(
+    model, max_new_tokens: int, eos: set[int], sampling: Sampling | None = None, **kwargs
+) -> Callable[[list[int]], tuple[list[int], float, list[int]]]:
+    """Hugging Face `generate` as a timed ids -> (new tokens, seconds, []) function.
+
+    Extra `kwargs` go to `generate` (prompt lookup, an assistant model, ...).
+    """
+    sampling = sampling or Sampling()
+    if sampling.greedy:
+        kwargs.update(do_sample=False)
+    else:
+        kwargs.update(
+            do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k,
+            top_p=sampling.top_p,
+        )  # fmt: skip
 
     @torch.inference_mode()
     def generate(ids):
@@ -157,7 +167,7 @@ def _hf(target, s: Settings, eos: set[int]):
         out = model.generate(
             x,
             attention_mask=torch.ones_like(x),
-            max_new_tokens=s.max_new_tokens,
+            max_new_tokens=max_new_tokens,
             eos_token_id=sorted(eos),
             pad_token_id=sorted(eos)[0],
             **kwargs,
@@ -247,7 +257,10 @@ def evaluate_question(
             if diff is not None:
                 record["baseline_difference"] = {"turn": diff[0], "index": diff[1]}
     if s.hf_baseline:
-        hf = _run(_hf(decoders.target, s, decoders.baseline.eos_ids), tokenizer, question)
+        hf_run = hf_generate(
+            decoders.target.model, s.max_new_tokens, decoders.baseline.eos_ids, s.sampling
+        )
+        hf = _run(hf_run, tokenizer, question)
         record["hf_generate"] = hf.record()
         if s.sampling.greedy:
             diff = first_difference(base.tokens, hf.tokens)
