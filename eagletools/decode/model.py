@@ -139,7 +139,7 @@ class Attention(nn.Module):
         q, k = qk.transpose(1, 2).split([self.n_heads, self.n_kv], dim=1)
         v = v.view(b, t, self.n_kv, self.hd).transpose(1, 2)
         k, v = self.kv_cache.update(start, k, v)
-        if q.is_cuda and mask is not None and t <= 64:  # verification: the Triton kernel
+        if mask is not None and t <= 64 and kernels.use_triton(q):  # verification: Triton
             cache = self.kv_cache
             out = kernels.tree_attention(q, cache.k, cache.v, start, mask[:, start:], self.hd**-0.5)
         else:

@@ -14,10 +14,22 @@ import torch
 
 
 def use_triton(*tensors: torch.Tensor) -> bool:
-    """Whether the Triton kernel should run on these inputs."""
-    if os.environ.get("EAGLETOOLS_KERNELS", "") == "reference":
+    """Whether the Triton kernel should run on these inputs.
+
+    `EAGLETOOLS_KERNELS=reference` forces the references; `=triton` forces the
+    kernels, on CPU tensors too under `TRITON_INTERPRET=1`, so the decoder's
+    whole Triton path can be checked on a machine without a GPU.
+    """
+    mode = os.environ.get("EAGLETOOLS_KERNELS", "")
+    if mode == "reference":
         return False
-    return all(t.is_cuda for t in tensors)
+    on_cuda = all(t.is_cuda for t in tensors)
+    if mode == "triton" and not on_cuda and not interpreting():
+        raise RuntimeError(
+            "EAGLETOOLS_KERNELS=triton with CPU tensors needs TRITON_INTERPRET=1 "
+            "(set before Triton is imported)"
+        )
+    return on_cuda or mode == "triton"
 
 
 def interpreting() -> bool:

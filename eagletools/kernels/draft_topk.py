@@ -32,7 +32,7 @@ def topk_d2t(
     logits: torch.Tensor, d2t: torch.Tensor | None, k: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`topk_d2t_reference`, as one Triton launch on CUDA."""
-    if use_triton(logits) and (d2t is None or d2t.is_cuda):
+    if use_triton(logits, *([] if d2t is None else [d2t])):
         return topk_d2t_triton(logits, d2t, k)
     return topk_d2t_reference(logits, d2t, k)
 
