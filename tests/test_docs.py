@@ -14,6 +14,8 @@ A fenced shell block (```sh, ```bash, ```shell, ```console) is one of:
   lines also resolve their recipe and overrides through `load_config`.
 A ```text block marked `<!-- doc-test: output -->` quotes the output of the
 block before it: each of its lines must match an output line, numbers aside.
+A paragraph or list marked `<!-- doc-test: values RECIPE -->` quotes recipe
+fields as `section.key: value`: each must equal the field in RECIPE.
 
 Lines that are not eagletools are checked as far as they can be here: `make`
 targets exist in the Makefile, repository paths exist, `accelerate launch`
@@ -51,8 +53,8 @@ class Block:
     page: str
     line: int  # 1-based line of the opening fence
     lang: str
-    mode: str  # "run", "parse-only" or "output"
-    why: str = ""  # parse-only: the reason
+    mode: str  # "run", "parse-only", "output" or "values"
+    why: str = ""  # parse-only: the reason; values: the recipe
     exit: int = 0
     commands: list[tuple[int, list[str]]] = field(default_factory=list)  # (line, argv)
     text: str = ""
@@ -79,6 +81,13 @@ def parse_blocks(path: Path) -> list[Block]:
         m = MARKER.fullmatch(line.strip())
         if m:
             marker = (m["mode"], m["arg"], i + 1)
+        elif marker and marker[0] == "values" and line.strip():
+            start, body = i + 1, []
+            while i < len(lines) and lines[i].strip():
+                body.append(lines[i])
+                i += 1
+            blocks.append(Block(name, start, "md", "values", marker[1], text="\n".join(body)))
+            marker = None
         elif line.startswith("```") and line.strip() != "```":
             lang = line[3:].strip().split()[0]
             start, body = i + 1, []
@@ -265,6 +274,22 @@ def test_help_examples_parse():
             parse_eagletools(argv[1:], f"{p.prog} --help")
             seen += 1
     assert seen >= 8
+
+
+def test_quoted_recipe_values_match_the_recipes():
+    from eagletools.config import _yaml_load, load_config
+
+    blocks = [b for b in ALL_BLOCKS if b.mode == "values"]
+    assert blocks, "docs/recipes.md quotes no recipe values"
+    for block in blocks:
+        config = load_config(ROOT / block.why)
+        quoted = re.findall(r"`(\w+)\.(\w+): ([^`]+)`", block.text)
+        assert quoted, f"{block.where()}: no `section.key: value` quoted"
+        for section, key, value in quoted:
+            actual = getattr(getattr(config, section), key)
+            assert actual == _yaml_load(value), (
+                f"{block.where()}: `{section}.{key}: {value}` but {block.why} has {actual!r}"
+            )
 
 
 def _make_cli():
