@@ -64,6 +64,9 @@ def bench_name(bench: str) -> str:
 def stages(config: TrainConfig, out: Path) -> list[Stage]:
     from eagletools.formats.convert import convert
 
+    # read every benchmark now: a missing file fails in a second, not after training
+    questions = {b: _questions(b, config.eval.num_prompts) for b in config.eval.benchmarks}
+
     target = config.target.spec
     train_dir = out / "train"
 
@@ -97,7 +100,7 @@ def stages(config: TrainConfig, out: Path) -> list[Stage]:
                 dtype=config.target.dtype,
                 threads=config.training.num_threads,
             )
-            results = run_eval(settings, _questions(bench, e.num_prompts))
+            results = run_eval(settings, questions[bench])
             write_report(results, out / "eval" / bench_name(bench))
 
         return run

@@ -97,3 +97,13 @@ def test_spec_bench_sample_spreads_over_categories():
     picked = sample_across_categories(questions, 4)
     assert [q.category for q in picked] == ["a", "b", "c", "a"]
     assert len(sample_across_categories(questions, 99)) == 6
+
+
+def test_a_missing_benchmark_fails_before_training(tmp_path, monkeypatch, capsys):
+    def fail(*args, **kwargs):
+        raise AssertionError("training started")
+
+    monkeypatch.setattr("eagletools.train.trainer.train", fail)
+    code = main(["pipeline", "eval.benchmarks=[missing.jsonl]", "--output-dir", str(tmp_path)])
+    assert code == 2
+    assert "missing.jsonl" in capsys.readouterr().err
