@@ -209,6 +209,9 @@ def test_wandb_offline_run_holds_the_metrics(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     config = tiny_config("tracking.report_to=wandb", "training.max_steps=4", "training.log_every=1")
     run(tmp_path, config)
+    import wandb
+
+    wandb.teardown()  # stop wandb's writer service: every record is on disk after this
     (run_dir,) = (tmp_path / "out" / "wandb").glob("offline-run-*")
     logged = read_wandb_history(next(run_dir.glob("*.wandb")))
     steps = [r for r in logged if "train/acc_0" in r]
