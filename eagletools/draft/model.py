@@ -27,7 +27,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # One fused op that normalises in fp32: per-op overhead matters at batch 1 on CPU.
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # The weight follows x's dtype (fp32 master weights under bf16 autocast), since
+        # the fused kernel needs both alike.
+        return F.rms_norm(x, self.weight.shape, self.weight.to(x.dtype), self.eps)
 
 
 class Attention(nn.Module):
