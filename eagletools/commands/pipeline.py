@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from eagletools.commands import add_command
+from eagletools.commands.train import add_recipe_argument
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -13,12 +14,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "The whole job: vocabulary, training, conversion to both formats, evaluation, report",
         "eagletools pipeline recipes/smollm2-135m-cpu.yaml --output-dir runs/demo",
     )  # fmt: skip
-    p.add_argument(
-        "recipe_and_overrides",
-        nargs="+",
-        metavar="RECIPE [KEY=VALUE ...]",
-        help="a YAML recipe, then dotted overrides such as eval.num_prompts=20",
-    )
+    add_recipe_argument(p)
     p.add_argument("--output-dir", required=True, help="run folder; finished stages are skipped")
     p.set_defaults(func=_pipeline)
 

@@ -13,12 +13,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "Train an EAGLE-3 draft head (training-time test), online or from a hidden-state cache",
         "eagletools train recipes/smollm2-135m-cpu.yaml training.lr=2e-4 --output-dir runs/demo",
     )  # fmt: skip
-    p.add_argument(
-        "recipe_and_overrides",
-        nargs="*",
-        metavar="RECIPE [KEY=VALUE ...]",
-        help="a YAML recipe (recipes/*.yaml), then dotted overrides such as training.lr=2e-4",
-    )
+    add_recipe_argument(p)
     p.add_argument("--output-dir", required=True, help="run folder: checkpoints, final/, metrics")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     p.add_argument(
@@ -29,6 +24,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--print-config", action="store_true", help="print the resolved recipe, exit")
     p.set_defaults(func=_train)
+
+
+def add_recipe_argument(p: argparse.ArgumentParser) -> None:
+    """RECIPE [KEY=VALUE ...]: what every recipe-driven command takes (see split_recipe)."""
+    p.add_argument(
+        "recipe_and_overrides",
+        nargs="*",
+        metavar="RECIPE [KEY=VALUE ...]",
+        help="a YAML recipe (recipes/*.yaml), then dotted overrides such as training.lr=2e-4",
+    )
 
 
 def split_recipe(items: list[str]) -> tuple[str | None, list[str]]:
