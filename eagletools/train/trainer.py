@@ -147,6 +147,7 @@ class Trainer:
         stop_after: int | None = None,
     ):
         from accelerate import Accelerator
+        from accelerate.state import AcceleratorState
 
         from eagletools.draft import Eagle3Draft
 
@@ -156,6 +157,9 @@ class Trainer:
         if t.num_threads:
             torch.set_num_threads(t.num_threads)
         tracker = None if config.tracking.report_to == "none" else config.tracking.report_to
+        # accelerate keeps one state per process: a second run in the same process
+        # (pipeline, notebook, tests) may use another precision; the process group stays
+        AcceleratorState._reset_state(reset_partial_state=False)
         self.acc = Accelerator(
             # without a GPU, processes started by `accelerate launch` train on CPU over gloo
             cpu=not torch.cuda.is_available(),
