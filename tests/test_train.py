@@ -153,6 +153,15 @@ def test_empty_dataset_after_filtering(tmp_path):
         run(tmp_path, tiny_config("data.eval_samples=2"), dataset=dataset)
 
 
+def test_fewer_samples_than_one_step_takes(tmp_path):
+    with pytest.raises(UserError, match="3 training samples are fewer than one optimizer step"):
+        run(
+            tmp_path,
+            tiny_config("data.eval_samples=2", "training.batch_size=4"),
+            dataset=random_dataset(n=5),
+        )
+
+
 def poison(monkeypatch, bad_calls):
     """NaN aux states in the listed calls of `features` (a corrupt batch)."""
     real, calls = trainer_mod.features, [0]

@@ -89,7 +89,10 @@ def _hidden_states(args: argparse.Namespace) -> int:
         raise UserError(
             f"--aux-layer-ids {args.aux_layer_ids!r}: give integers like 2,15,27"
         ) from None
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    from accelerate import PartialState
+
+    # under `accelerate launch`, each rank on its own GPU
+    device = PartialState(cpu=not torch.cuda.is_available()).device
     target = load_target(args.target, dtype=getattr(torch, args.dtype), device=device)
     prepared = prepare_from_args(args, tokenizer=target.tokenizer)
     print(prepared.summary())

@@ -63,8 +63,10 @@ def online_inputs(config: TrainConfig, target: Any = None, dataset: Any = None) 
     from eagletools.target import default_aux_layer_ids, load_target
 
     if target is None:
-        dtype = getattr(torch, config.target.dtype)
-        target = load_target(config.target.spec, dtype=dtype)
+        from accelerate import PartialState
+
+        device = PartialState(cpu=not torch.cuda.is_available()).device  # this rank's GPU
+        target = load_target(config.target.spec, getattr(torch, config.target.dtype), device)
     if dataset is None:
         d = config.data
         dataset = prepare_dataset(
@@ -186,6 +188,13 @@ class Trainer:
                 f"{config.data.train}: no training sample is left after filtering "
                 f"({len(train_idx)} had every token masked out of the loss); "
                 "check the chat template and data.max_length"
+            )
+        per_step = t.batch_size * t.grad_accum * self.acc.num_processes
+        if len(self.train_idx) < per_step:
+            raise UserError(
+                f"{config.data.train}: {len(self.train_idx)} training samples are fewer than one "
+                f"optimizer step takes ({per_step} = training.batch_size x training.grad_accum x "
+                "processes); use more data or a smaller training.batch_size"
             )
         self.vocab, self.vocab_report = build_vocab_for(config, inputs, self.train_idx, self.out)
 
