@@ -37,13 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(f"eagletools.commands.{name}")
-        except ModuleNotFoundError as err:
-            if err.name == f"eagletools.commands.{name}":
-                continue  # not built yet
-            raise
-        module.register(subparsers)
+        importlib.import_module(f"eagletools.commands.{name}").register(subparsers)
     return parser
 
 
