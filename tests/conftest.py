@@ -49,3 +49,21 @@ def tiny_model(family: str, seed: int = 0, dtype=torch.float32, **overrides):
 @pytest.fixture(params=FAMILIES)
 def family(request) -> str:
     return request.param
+
+
+def tiny_draft_config(**overrides):
+    """A small draft config sized like the tiny targets (hidden 64, vocab 256)."""
+    from eagletools.draft import DraftConfig
+
+    fields = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=256,
+        draft_vocab_size=100,
+        target_hidden_size=64,
+    )
+    fields.update(overrides)
+    return DraftConfig(**fields)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import tiny_draft_config
 
 from eagletools.draft import DraftConfig, DraftKVCache, Eagle3Draft
 from eagletools.errors import UserError
@@ -13,18 +14,9 @@ from eagletools.rope import RotaryEmbedding, apply_rope
 
 def small_config(**overrides) -> DraftConfig:
     fields = dict(
-        hidden_size=64,
-        intermediate_size=96,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=256,
-        draft_vocab_size=80,
-        target_hidden_size=48,
-        aux_layer_ids=[2, 3, 5],
+        intermediate_size=96, draft_vocab_size=80, target_hidden_size=48, aux_layer_ids=[2, 3, 5]
     )
-    fields.update(overrides)
-    return DraftConfig(**fields)
+    return tiny_draft_config(**{**fields, **overrides})
 
 
 @pytest.mark.parametrize(

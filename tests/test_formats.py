@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny_draft_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -28,17 +29,6 @@ from eagletools.formats import (
 from eagletools.formats import speculators as spec_format
 from eagletools.vocab import DraftVocab
 
-# A tiny draft shaped like the tiny targets of conftest.py (hidden 64, vocab 256).
-TINY = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    vocab_size=256,
-    draft_vocab_size=100,
-    target_hidden_size=64,
-)
 LLAMA3_ROPE = {
     "rope_type": "llama3",
     "factor": 8.0,
@@ -57,7 +47,7 @@ def random_vocab(vocab_size: int, draft_vocab_size: int, seed: int = 0) -> Draft
 
 def make_ckpt(dtype: torch.dtype = torch.float32, seed: int = 0, **overrides) -> Checkpoint:
     """A random draft (norms too, so no tensor is trivially equal) with a random vocab."""
-    config = DraftConfig(**{**TINY, **overrides})
+    config = tiny_draft_config(**overrides)
     torch.manual_seed(seed)
     model = Eagle3Draft(config)
     vocab = random_vocab(config.vocab_size, config.draft_vocab_size, seed)

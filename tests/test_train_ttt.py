@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import tiny_draft_config
 
-from eagletools.draft import DraftConfig, Eagle3Draft
+from eagletools.draft import Eagle3Draft
 from eagletools.train.ttt import (
     TTTModel,
     simulated_acceptance_length,
@@ -48,11 +49,9 @@ def test_ttt_attention_matches_dense_mask(chunk, j):
 
 def tiny_draft(vocab=64, draft_vocab=32, seed=0) -> Eagle3Draft:
     torch.manual_seed(seed)
-    config = DraftConfig(
+    config = tiny_draft_config(
         hidden_size=32,
         intermediate_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=8,
         vocab_size=vocab,
         draft_vocab_size=draft_vocab,
