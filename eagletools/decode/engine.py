@@ -172,6 +172,7 @@ class BaselineDecoder:
         self.model = model
         self.tokenizer = tokenizer  # None: token ids only, no text
         self.eos_ids = eos_token_ids(tokenizer) if tokenizer is not None else set()
+        self.max_seq_len = max_seq_len
         model.setup_caches(1, max_seq_len)
         self.seq: list[int] = []
         self.target_len = 0
@@ -191,6 +192,7 @@ class BaselineDecoder:
     def _reusable(self, prompt: list[int]) -> int:
         """Prompt tokens whose cached KV stays valid (one at least is run again)."""
         if self.model.cache_owner is not self:  # another decoder wrote the shared cache
+            self.model.setup_caches(1, self.max_seq_len)  # (batched generation resizes it)
             self.reset()
             self.model.cache_owner = self
         return min(self._common_prefix(prompt), self.target_len, len(prompt) - 1)

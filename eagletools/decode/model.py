@@ -96,7 +96,7 @@ class KVCache(nn.Module):
 
 
 def attention(q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
-    """q [B,Hq,T,D] over k, v [B,Hkv,S,D]; mask [T,S] bool (True = attend) or None.
+    """q [B,Hq,T,D] over k, v [B,Hkv,S,D]; mask [T,S] or [B,T,S] bool (True = attend) or None.
 
     For the few queries of decoding and tree verification, fp32 matmuls with
     the query heads grouped per KV head beat CPU SDPA by 2-8x (its flash path
@@ -104,12 +104,15 @@ def attention(q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
     """
     b, hq, t, d = q.shape
     hkv, s = k.shape[1], k.shape[2]
+    per_row = mask is not None and mask.dim() == 3  # [B,T,S]: a left-padded batch
     if t > 64:
         k, v = k.to(q.dtype), v.to(q.dtype)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        attn_mask = mask[:, None] if per_row else mask
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=True)
     group = hq // hkv
     scores = q.reshape(b, hkv, group * t, d).float() @ k.float().transpose(-1, -2) * d**-0.5
     if mask is not None:
+        mask = mask[:, None, None] if per_row else mask
         scores = scores.view(b, hkv, group, t, s).masked_fill(~mask, float("-inf"))
     probs = scores.view(b, hkv, group * t, s).softmax(-1)
     return (probs @ v.float()).to(q.dtype).view(b, hq, t, d)
@@ -139,7 +142,9 @@ class Attention(nn.Module):
         q, k = qk.transpose(1, 2).split([self.n_heads, self.n_kv], dim=1)
         v = v.view(b, t, self.n_kv, self.hd).transpose(1, 2)
         k, v = self.kv_cache.update(start, k, v)
-        if mask is not None and t <= 64 and kernels.use_triton(q):  # verification: Triton
+        if (
+            mask is not None and mask.dim() == 2 and t <= 64 and kernels.use_triton(q)
+        ):  # verification: Triton
             cache = self.kv_cache
             out = kernels.tree_attention(q, cache.k, cache.v, start, mask[:, start:], self.hd**-0.5)
         else:
@@ -228,7 +233,8 @@ class Transformer(nn.Module):
 
     def setup_caches(self, batch: int = 1, max_len: int | None = None) -> None:
         max_len = min(max_len or self.args.max_seq_len, self.args.max_seq_len)
-        if self.layers[0].attention.kv_cache is not None and self.cache_len == max_len:
+        cache = self.layers[0].attention.kv_cache
+        if cache is not None and self.cache_len == max_len and cache.k.shape[0] == batch:
             return
         a = self.args
         # fp32 K/V on CPU: attention runs in fp32 there, so nothing is upcast per step
@@ -252,6 +258,7 @@ class Transformer(nn.Module):
         tree_mask: torch.Tensor | None = None,
         aux_layer_ids: Sequence[int] = (),
         last_only: bool = False,
+        key_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run T new tokens whose K/V go to cache slots `start..start+T-1`.
 
@@ -259,7 +266,8 @@ class Transformer(nn.Module):
         among the new tokens `tree_mask` [T,T] (True = attend; default causal)
         decides. Returns logits [B,T,V] (or [B,1,V] with `last_only`) and the
         hidden states at `aux_layer_ids` (HF indexing: k = input of layer k)
-        concatenated [B,T,A*H], or None.
+        concatenated [B,T,A*H], or None. `key_mask` [B,>=start+T] (False = a
+        padding slot) hides each row's padding from its real tokens.
         """
         t = input_ids.shape[1]
         if start + t > self.cache_len:
@@ -268,8 +276,12 @@ class Transformer(nn.Module):
                 f"{self.cache_len} tokens: shorten the prompt or --max-new-tokens"
             )
         mask = None
-        if t > 1 or tree_mask is not None:
+        if t > 1 or tree_mask is not None or key_mask is not None:
             mask = extend_mask(start, t, tree_mask, self.device)
+        if key_mask is not None:
+            mask = mask & key_mask[:, None, : start + t]
+            # a padding query sees itself, so its (unused) output stays finite
+            mask[..., start:] |= torch.eye(t, dtype=torch.bool, device=self.device)
         cos, sin = (c.unsqueeze(-2) for c in self.rotary(positions, self.dtype))  # [T,1,hd]
         x = self.tok_embeddings(input_ids)
         states = {}
