@@ -145,6 +145,14 @@ def test_local_target_replies_greedily(tmp_path):
     assert first == regenerate_chunk(CONVERSATIONS, generate)  # greedy: deterministic
     assert [sum(m["role"] == "assistant" for m in c) for c in first] == [2, 1, 3]
     assert all(m["content"] != "old" for c in first for m in c)
+    # the runtime's left-padded batches reply as HF `generate` does one history at a time
+    for chat in first:
+        history = chat[: chat.index(next(m for m in chat if m["role"] == "assistant"))]
+        text = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=False)
+        ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        out = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        hf = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
+        assert hf == generate([history])[0]
 
 
 def test_cli_regenerate_against_the_server(tmp_path, server, capsys):

@@ -130,6 +130,12 @@ def _register_regenerate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=8, help="histories per generate / requests")
     p.add_argument("--chunk-size", type=int, default=64, help="conversations per resumable part")
+    p.add_argument(
+        "--max-turns",
+        type=int,
+        default=None,
+        help="keep the first N user turns of each conversation",
+    )
     p.set_defaults(func=_regenerate)
 
 
@@ -153,8 +159,11 @@ def _regenerate(args: argparse.Namespace) -> int:
 
         generate = local_generator(load_target(args.target), sampling, args.batch_size)
         backend = {"target": args.target}
-    identity = {"data": args.data, "num_samples": args.num_samples, **backend, **asdict(sampling)}
+    if args.max_turns is not None and args.max_turns < 1:
+        raise UserError(f"--max-turns must be at least 1, got {args.max_turns}")
+    identity = {"data": args.data, "num_samples": args.num_samples, "max_turns": args.max_turns,
+                **backend, **asdict(sampling)}  # fmt: skip
     out = regenerate(conversations, generate, args.output, identity=identity,
-                     chunk_size=args.chunk_size)  # fmt: skip
+                     chunk_size=args.chunk_size, max_turns=args.max_turns)  # fmt: skip
     print(f"{out}: {len(conversations)} conversations with regenerated replies")
     return 0

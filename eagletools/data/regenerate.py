@@ -55,9 +55,14 @@ def segments(conversation: Conversation) -> list[Chat]:
     return out
 
 
-def regenerate_chunk(conversations: list[Conversation], generate: Generate) -> list[Chat]:
-    """Every conversation of the chunk, replies regenerated turn by turn (batched per turn)."""
-    parts = [segments(c) for c in conversations]
+def regenerate_chunk(
+    conversations: list[Conversation], generate: Generate, max_turns: int | None = None
+) -> list[Chat]:
+    """Every conversation of the chunk, replies regenerated turn by turn (batched per turn).
+
+    With `max_turns`, a conversation ends after that many user turns.
+    """
+    parts = [segments(c)[:max_turns] for c in conversations]
     histories: list[Chat] = [[] for _ in conversations]
     for turn in range(max((len(p) for p in parts), default=0)):
         active = [i for i, p in enumerate(parts) if turn < len(p)]
@@ -69,9 +74,21 @@ def regenerate_chunk(conversations: list[Conversation], generate: Generate) -> l
     return histories
 
 
+def _prompt_ids(tokenizer: Any, chat: Chat) -> list[int]:
+    """The history through the chat template, opened for the assistant's reply."""
+    text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
 def local_generator(target: Any, sampling: Sampling, batch_size: int = 8) -> Generate:
-    """Replies from a local target with HF `generate`, `batch_size` histories at a time."""
+    """Replies from a local target, `batch_size` histories at a time.
+
+    Llama-family targets run in the decoding runtime (static KV cache, ~4x HF
+    `generate` on CPU); other architectures fall back to HF `generate`.
+    """
     import torch
+
+    from eagletools.decode.model import SUPPORTED
 
     tokenizer, model = target.tokenizer, target.model
     if not tokenizer.chat_template:
@@ -83,13 +100,14 @@ def local_generator(target: Any, sampling: Sampling, batch_size: int = 8) -> Gen
         tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     )
 
+    if model.config.model_type in SUPPORTED:
+        return _runtime_generator(target, sampling, batch_size, pad_id)
+
     def generate(chats: list[Chat]) -> list[str]:
         replies = []
         for start in range(0, len(chats), batch_size):
             batch = chats[start : start + batch_size]
-            prompts = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False)
-                       for c in batch]  # fmt: skip
-            ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+            ids = [_prompt_ids(tokenizer, c) for c in batch]
             width = max(len(x) for x in ids)
             input_ids = torch.tensor([[pad_id] * (width - len(x)) + x for x in ids])
             mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
@@ -107,6 +125,36 @@ def local_generator(target: Any, sampling: Sampling, batch_size: int = 8) -> Gen
             )
             for row in out[:, width:]:
                 replies.append(tokenizer.decode(row, skip_special_tokens=True).strip())
+        return replies
+
+    return generate
+
+
+def _runtime_generator(target: Any, sampling: Sampling, batch_size: int, pad_id: int) -> Generate:
+    """Batches of similar prompt length through `decode.batched.generate_batch`."""
+    import torch
+
+    from eagletools.decode.batched import generate_batch
+    from eagletools.decode.engine import Sampling as DecodeSampling
+    from eagletools.decode.engine import eos_token_ids
+    from eagletools.decode.model import Transformer
+
+    tokenizer = target.tokenizer
+    runtime = Transformer.from_hf(target.model)
+    eos = eos_token_ids(tokenizer)
+    decode_sampling = DecodeSampling(temperature=sampling.temperature, top_p=sampling.top_p)
+
+    def generate(chats: list[Chat]) -> list[str]:
+        ids = [_prompt_ids(tokenizer, c) for c in chats]
+        order = sorted(range(len(ids)), key=lambda i: len(ids[i]))  # little padding per batch
+        replies = [""] * len(ids)
+        for start in range(0, len(order), batch_size):
+            rows = order[start : start + batch_size]
+            generator = torch.Generator(runtime.device).manual_seed(sampling.seed + start)
+            out = generate_batch(runtime, [ids[i] for i in rows], sampling.max_new_tokens, eos,
+                                 decode_sampling, pad_id, generator)  # fmt: skip
+            for i, tokens in zip(rows, out, strict=True):
+                replies[i] = tokenizer.decode(tokens, skip_special_tokens=True).strip()
         return replies
 
     return generate
@@ -177,6 +225,7 @@ def regenerate(
     *,
     identity: dict[str, Any],
     chunk_size: int = 64,
+    max_turns: int | None = None,
 ) -> Path:
     """Regenerate every conversation into `output` (JSONL), resuming from `output.parts/`.
 
@@ -201,7 +250,10 @@ def regenerate(
         part = parts / f"part-{start // chunk_size:05d}.jsonl"
         batch = conversations[start : start + chunk_size]
         if not part.is_file():
-            lines = [json.dumps({"messages": chat}) for chat in regenerate_chunk(batch, generate)]
+            lines = [
+                json.dumps({"messages": chat})
+                for chat in regenerate_chunk(batch, generate, max_turns)
+            ]
             with atomic_file(part) as tmp:
                 tmp.write_text("".join(line + "\n" for line in lines))
         bar.update(len(batch))
