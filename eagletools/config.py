@@ -29,6 +29,22 @@ class TargetSection:
 
 
 @dataclass
+class RegenerateSection:
+    """data.regenerate: train on the target's own replies to the data's prompts.
+
+    `train` writes them first into OUT/regenerated.jsonl (resumable) with the
+    batched runtime, then prepares, splits and trains on that file.
+    """
+
+    enabled: bool = False
+    max_turns: int | None = 1  # user turns kept per conversation (None: all)
+    max_prompt_tokens: int | None = 256  # longer histories end the conversation there
+    max_new_tokens: int = 256
+    temperature: float = 0.0  # 0: greedy, as the drafts are evaluated
+    batch_size: int = 48  # histories per batched forward
+
+
+@dataclass
 class DataSection:
     train: str = "sharegpt"  # dataset spec for `load_conversations`
     num_samples: int | None = None  # conversations to load (None: all)
@@ -37,6 +53,7 @@ class DataSection:
     chat_template: str | None = None
     hidden_states: str | None = None  # offline: a cache from `eagletools data hidden-states`
     offline: bool = False  # build that cache in OUT/hidden-states first, then train from it
+    regenerate: RegenerateSection = field(default_factory=RegenerateSection)
 
 
 @dataclass
@@ -136,6 +153,17 @@ class TrainConfig:
             (t.attn_chunk >= 1, "training.attn_chunk", "must be at least 1"),
             (self.data.max_length >= 4, "data.max_length", "must be at least 4"),
             (self.data.eval_samples >= 0, "data.eval_samples", "must be >= 0"),
+            (
+                (self.data.regenerate.max_turns or 1) >= 1,
+                "data.regenerate.max_turns",
+                "must be at least 1 (or null: all turns)",
+            ),
+            (
+                self.data.regenerate.max_new_tokens >= 1,
+                "data.regenerate.max_new_tokens",
+                "must be at least 1",
+            ),
+            (self.data.regenerate.batch_size >= 1, "data.regenerate.batch_size", "must be >= 1"),
             (self.vocab.draft_vocab_size >= 1, "vocab.draft_vocab_size", "must be positive"),
             (self.eval.num_prompts >= 1, "eval.num_prompts", "must be at least 1"),
             (self.eval.max_new_tokens >= 1, "eval.max_new_tokens", "must be at least 1"),

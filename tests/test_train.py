@@ -286,3 +286,38 @@ def test_tensorboard_tracker_writes_events(tmp_path):
     tags = set(acc.Tags()["scalars"])
     assert {"train/acc_0", "train/lr", "train/tokens_per_s", "eval/loss"} <= tags
     assert [e.step for e in acc.Scalars("train/loss")] == [1, 2]
+
+
+@pytest.mark.parametrize("offline", [False, True])
+def test_regenerate_section_trains_on_the_targets_own_replies(tmp_path, offline):
+    """data.regenerate: OUT/regenerated.jsonl holds the target's replies; training uses it
+    (online, or through the hidden-state cache built from it)."""
+    from eagletools.target import load_tokenizer
+
+    tokenizer = load_tokenizer("smollm2-135m")
+    model = tiny_model("llama", vocab_size=len(tokenizer))
+    target = Target(model, tokenizer, TargetInfo.from_config(model.config, "tiny"))
+    data = tmp_path / "chats.jsonl"
+    rows = [
+        {"messages": [{"role": "user", "content": f"question {i} " * (1 + i % 3)},
+                      {"role": "assistant", "content": "a human answer"},
+                      {"role": "user", "content": "and a second turn"},
+                      {"role": "assistant", "content": "dropped by max_turns"}]}
+        for i in range(24)
+    ] + [{"messages": [{"role": "user", "content": "long " * 400},
+                       {"role": "assistant", "content": "prompt too long: dropped"}]}]  # fmt: skip
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = tiny_config(
+        f"data.train={data}", "data.regenerate.enabled=true", "data.regenerate.max_new_tokens=6",
+        "data.regenerate.batch_size=5", "data.regenerate.max_prompt_tokens=64",
+        "training.max_steps=2", "data.eval_samples=4", f"data.offline={str(offline).lower()}",
+        "target.spec=tiny",
+    )  # fmt: skip
+    result = train(config, tmp_path / "o", target=target)
+    regenerated = [json.loads(x) for x in (tmp_path / "o" / "regenerated.jsonl").open()]
+    assert len(regenerated) == 24  # the over-long prompt is gone
+    assert all([m["role"] for m in r["messages"]] == ["user", "assistant"] for r in regenerated)
+    assert not any(r["messages"][1]["content"] == "a human answer" for r in regenerated)
+    assert result["steps"] == 2 and result["mode"] == ("offline" if offline else "online")
+    with pytest.raises(UserError, match="data.regenerate.max_new_tokens"):
+        tiny_config("data.regenerate.max_new_tokens=0")

@@ -136,6 +136,12 @@ def _register_regenerate(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="keep the first N user turns of each conversation",
     )
+    p.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=None,
+        help="local target: end a conversation before a turn whose history is longer",
+    )
     p.set_defaults(func=_regenerate)
 
 
@@ -157,13 +163,23 @@ def _regenerate(args: argparse.Namespace) -> int:
     else:
         from eagletools.target import load_target
 
-        generate = local_generator(load_target(args.target), sampling, args.batch_size)
+        generate = local_generator(
+            load_target(args.target), sampling, args.batch_size, args.max_prompt_tokens
+        )
         backend = {"target": args.target}
     if args.max_turns is not None and args.max_turns < 1:
         raise UserError(f"--max-turns must be at least 1, got {args.max_turns}")
     identity = {"data": args.data, "num_samples": args.num_samples, "max_turns": args.max_turns,
-                **backend, **asdict(sampling)}  # fmt: skip
+                "max_prompt_tokens": args.max_prompt_tokens, **backend,
+                **asdict(sampling)}  # fmt: skip
     out = regenerate(conversations, generate, args.output, identity=identity,
                      chunk_size=args.chunk_size, max_turns=args.max_turns)  # fmt: skip
-    print(f"{out}: {len(conversations)} conversations with regenerated replies")
+    with open(out) as f:
+        written = sum(1 for _ in f)
+    dropped = (
+        f" ({len(conversations) - written} dropped: prompt too long)"
+        if written < len(conversations)
+        else ""
+    )
+    print(f"{out}: {written} conversations with regenerated replies{dropped}")
     return 0

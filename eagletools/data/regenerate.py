@@ -30,7 +30,8 @@ from eagletools.errors import UserError
 log = logging.getLogger(__name__)
 
 Chat = list[dict[str, str]]  # OpenAI-style messages
-Generate = Callable[[list[Chat]], list[str]]  # a batch of histories -> one reply each
+# a batch of histories -> one reply each; None: the history is too long, the conversation ends
+Generate = Callable[[list[Chat]], list[str | None]]
 
 
 @dataclass
@@ -60,7 +61,9 @@ def regenerate_chunk(
 ) -> list[Chat]:
     """Every conversation of the chunk, replies regenerated turn by turn (batched per turn).
 
-    With `max_turns`, a conversation ends after that many user turns.
+    With `max_turns`, a conversation ends after that many user turns; it also
+    ends before a turn whose history the generator declines as too long, and
+    one left without a reply is dropped.
     """
     parts = [segments(c)[:max_turns] for c in conversations]
     histories: list[Chat] = [[] for _ in conversations]
@@ -70,8 +73,12 @@ def regenerate_chunk(
             histories[i] += parts[i][turn]
         replies = generate([histories[i] for i in active])
         for i, reply in zip(active, replies, strict=True):
-            histories[i].append({"role": "assistant", "content": reply})
-    return histories
+            if reply is None:
+                del histories[i][len(histories[i]) - len(parts[i][turn]) :]
+                parts[i] = parts[i][:turn]
+            else:
+                histories[i].append({"role": "assistant", "content": reply})
+    return [h for h in histories if any(m["role"] == "assistant" for m in h)]
 
 
 def _prompt_ids(tokenizer: Any, chat: Chat) -> list[int]:
@@ -80,8 +87,11 @@ def _prompt_ids(tokenizer: Any, chat: Chat) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def local_generator(target: Any, sampling: Sampling, batch_size: int = 8) -> Generate:
-    """Replies from a local target, `batch_size` histories at a time.
+def local_generator(
+    target: Any, sampling: Sampling, batch_size: int = 8, max_prompt_tokens: int | None = None
+) -> Generate:
+    """Replies from a local target, `batch_size` histories at a time; histories
+    longer than `max_prompt_tokens` are declined (None).
 
     Llama-family targets run in the decoding runtime (static KV cache, ~4x HF
     `generate` on CPU); other architectures fall back to HF `generate`.
@@ -101,13 +111,15 @@ def local_generator(target: Any, sampling: Sampling, batch_size: int = 8) -> Gen
     )
 
     if model.config.model_type in SUPPORTED:
-        return _runtime_generator(target, sampling, batch_size, pad_id)
+        return _runtime_generator(target, sampling, batch_size, pad_id, max_prompt_tokens)
 
-    def generate(chats: list[Chat]) -> list[str]:
-        replies = []
-        for start in range(0, len(chats), batch_size):
-            batch = chats[start : start + batch_size]
-            ids = [_prompt_ids(tokenizer, c) for c in batch]
+    def generate(chats: list[Chat]) -> list[str | None]:
+        ids_all = [_prompt_ids(tokenizer, c) for c in chats]
+        keep = [i for i, ids in enumerate(ids_all) if _fits(ids, max_prompt_tokens)]
+        replies: list[str | None] = [None] * len(chats)
+        for start in range(0, len(keep), batch_size):
+            rows = keep[start : start + batch_size]
+            ids = [ids_all[i] for i in rows]
             width = max(len(x) for x in ids)
             input_ids = torch.tensor([[pad_id] * (width - len(x)) + x for x in ids])
             mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
@@ -123,14 +135,20 @@ def local_generator(target: Any, sampling: Sampling, batch_size: int = 8) -> Gen
                 top_k=None,
                 pad_token_id=pad_id,
             )
-            for row in out[:, width:]:
-                replies.append(tokenizer.decode(row, skip_special_tokens=True).strip())
+            for i, row in zip(rows, out[:, width:], strict=True):
+                replies[i] = tokenizer.decode(row, skip_special_tokens=True).strip()
         return replies
 
     return generate
 
 
-def _runtime_generator(target: Any, sampling: Sampling, batch_size: int, pad_id: int) -> Generate:
+def _fits(ids: list[int], max_prompt_tokens: int | None) -> bool:
+    return max_prompt_tokens is None or len(ids) <= max_prompt_tokens
+
+
+def _runtime_generator(
+    target: Any, sampling: Sampling, batch_size: int, pad_id: int, max_prompt_tokens: int | None
+) -> Generate:
     """Batches of similar prompt length through `decode.batched.generate_batch`."""
     import torch
 
@@ -144,10 +162,11 @@ def _runtime_generator(target: Any, sampling: Sampling, batch_size: int, pad_id:
     eos = eos_token_ids(tokenizer)
     decode_sampling = DecodeSampling(temperature=sampling.temperature, top_p=sampling.top_p)
 
-    def generate(chats: list[Chat]) -> list[str]:
+    def generate(chats: list[Chat]) -> list[str | None]:
         ids = [_prompt_ids(tokenizer, c) for c in chats]
-        order = sorted(range(len(ids)), key=lambda i: len(ids[i]))  # little padding per batch
-        replies = [""] * len(ids)
+        fitting = [i for i in range(len(ids)) if _fits(ids[i], max_prompt_tokens)]
+        order = sorted(fitting, key=lambda i: len(ids[i]))  # little padding per batch
+        replies: list[str | None] = [None] * len(ids)
         for start in range(0, len(order), batch_size):
             rows = order[start : start + batch_size]
             generator = torch.Generator(runtime.device).manual_seed(sampling.seed + start)

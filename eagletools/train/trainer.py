@@ -9,6 +9,8 @@ the draft-vocab rows only, and the loss is the training-time-test unroll.
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import json
 import logging
 import math
@@ -60,13 +62,10 @@ def lr_factor(step: int, progress: float, warmup_steps: int, min_ratio: float) -
 def online_inputs(config: TrainConfig, target: Any = None, dataset: Any = None) -> TrainInputs:
     """The target in the loop; samples from the prepared (tokenised) dataset."""
     from eagletools.data import prepare_dataset
-    from eagletools.target import default_aux_layer_ids, load_target
+    from eagletools.target import default_aux_layer_ids
 
     if target is None:
-        from accelerate import PartialState
-
-        device = PartialState(cpu=not torch.cuda.is_available()).device  # this rank's GPU
-        target = load_target(config.target.spec, getattr(torch, config.target.dtype), device)
+        target = _load_target(config)
     if dataset is None:
         d = config.data
         dataset = prepare_dataset(
@@ -503,6 +502,11 @@ def train(
     `target`/`dataset` skip loading them (tests, notebooks); `stop_after`
     stops after that step as an interruption would (the checkpoints stay).
     """
+    if config.data.regenerate.enabled and not config.data.hidden_states:
+        target = target or _load_target(config)
+        config = copy.deepcopy(config)
+        config.data.train = str(regenerated_data(config, output_dir, target))
+        dataset = None
     if config.data.hidden_states:
         inputs = offline_inputs(config)
     elif config.data.offline:
@@ -510,6 +514,39 @@ def train(
     else:
         inputs = online_inputs(config, target, dataset)
     return Trainer(config, output_dir, inputs, resume=resume, stop_after=stop_after).run()
+
+
+def _load_target(config: TrainConfig) -> Any:
+    """The target on this rank's device, in the recipe's dtype."""
+    from accelerate import PartialState
+
+    from eagletools.target import load_target
+
+    device = PartialState(cpu=not torch.cuda.is_available()).device
+    return load_target(config.target.spec, getattr(torch, config.target.dtype), device)
+
+
+def regenerated_data(config: TrainConfig, output_dir: str | Path, target: Any) -> Path:
+    """data.regenerate: the target's own replies to the data's prompts, written once by the
+    main process into OUT/regenerated.jsonl (a rerun resumes or reuses it)."""
+    from accelerate import PartialState
+
+    from eagletools.data.conversations import load_conversations
+    from eagletools.data.regenerate import Sampling, local_generator, regenerate
+
+    d, r = config.data, config.data.regenerate
+    out = Path(output_dir) / "regenerated.jsonl"
+    state = PartialState(cpu=not torch.cuda.is_available())
+    if state.is_main_process:
+        conversations, report = load_conversations(d.train, d.num_samples)
+        log.info("%s", report.summary())
+        sampling = Sampling(r.max_new_tokens, r.temperature, 1.0, config.training.seed)
+        generate = local_generator(target, sampling, r.batch_size, r.max_prompt_tokens)
+        identity = {"data": d.train, "num_samples": d.num_samples, "target": config.target.spec,
+                    "seed": config.training.seed, **dataclasses.asdict(r)}  # fmt: skip
+        regenerate(conversations, generate, out, identity=identity, max_turns=r.max_turns)
+    state.wait_for_everyone()
+    return out
 
 
 def build_cache(
@@ -521,7 +558,6 @@ def build_cache(
 
     from eagletools.data import prepare
     from eagletools.data.hidden_states import HiddenStateCache, write_hidden_states
-    from eagletools.target import load_target
 
     path = Path(output_dir) / "hidden-states"
     if HiddenStateCache.is_complete(path):
@@ -529,8 +565,7 @@ def build_cache(
     state = PartialState(cpu=not torch.cuda.is_available())
     d = config.data
     if target is None:
-        target = load_target(config.target.spec, dtype=getattr(torch, config.target.dtype),
-                             device=state.device)  # fmt: skip
+        target = _load_target(config)
     key = "given"
     if dataset is None:
         prepared = prepare(config.target.spec, d.train, d.max_length, d.num_samples,
