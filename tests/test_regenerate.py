@@ -130,7 +130,7 @@ def test_unreachable_server_is_a_clear_error():
 
 
 @pytest.mark.integration
-def test_local_target_replies_greedily(tmp_path):
+def test_local_target_replies_greedily(tmp_path, monkeypatch):
     """A tiny random Llama with the built-in target's tokenizer and chat template."""
     from conftest import tiny_model
 
@@ -153,6 +153,12 @@ def test_local_target_replies_greedily(tmp_path):
         out = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
         hf = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
         assert hf == generate([history])[0]
+    # architectures the runtime lacks fall back to HF `generate`, batched and left-padded
+    monkeypatch.setattr("eagletools.decode.model.SUPPORTED", ())
+    fallback = local_generator(target, Sampling(max_new_tokens=4), batch_size=2)
+    assert regenerate_chunk(CONVERSATIONS, fallback) == first
+    declined = local_generator(target, Sampling(max_new_tokens=4), max_prompt_tokens=1)
+    assert declined([[{"role": "user", "content": "hi"}]]) == [None]
 
 
 def test_cli_regenerate_against_the_server(tmp_path, server, capsys):
