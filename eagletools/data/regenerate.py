@@ -167,8 +167,10 @@ def _runtime_generator(
         fitting = [i for i in range(len(ids)) if _fits(ids[i], max_prompt_tokens)]
         order = sorted(fitting, key=lambda i: len(ids[i]))  # little padding per batch
         replies: list[str | None] = [None] * len(ids)
-        for start in range(0, len(order), batch_size):
-            rows = order[start : start + batch_size]
+        n_batches = -(-len(order) // batch_size)  # even batches: no short one stepping alone
+        for b in range(n_batches):
+            start = b * len(order) // n_batches
+            rows = order[start : (b + 1) * len(order) // n_batches]
             generator = torch.Generator(runtime.device).manual_seed(sampling.seed + start)
             out = generate_batch(runtime, [ids[i] for i in rows], sampling.max_new_tokens, eos,
                                  decode_sampling, pad_id, generator)  # fmt: skip

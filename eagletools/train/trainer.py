@@ -544,7 +544,8 @@ def regenerated_data(config: TrainConfig, output_dir: str | Path, target: Any) -
         generate = local_generator(target, sampling, r.batch_size, r.max_prompt_tokens)
         identity = {"data": d.train, "num_samples": d.num_samples, "target": config.target.spec,
                     "seed": config.training.seed, **dataclasses.asdict(r)}  # fmt: skip
-        regenerate(conversations, generate, out, identity=identity, max_turns=r.max_turns)
+        regenerate(conversations, generate, out, identity=identity, max_turns=r.max_turns,
+                   chunk_size=4 * r.batch_size)  # fmt: skip
     state.wait_for_everyone()
     return out
 
