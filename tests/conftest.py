@@ -17,17 +17,23 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 
 
+# the widths the tiny targets and tiny drafts share
+TINY_SIZES = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+
+
 def tiny_config(family: str, **overrides):
     """A 4-layer random config of `family` with GQA and a 256-token vocab."""
     from transformers import AutoConfig
 
     common = dict(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
+        **TINY_SIZES,
         num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=512,
         rms_norm_eps=1e-6,
         tie_word_embeddings=False,
@@ -55,15 +61,6 @@ def tiny_draft_config(**overrides):
     """A small draft config sized like the tiny targets (hidden 64, vocab 256)."""
     from eagletools.draft import DraftConfig
 
-    fields = dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=256,
-        draft_vocab_size=100,
-        target_hidden_size=64,
-    )
+    fields = dict(**TINY_SIZES, head_dim=16, draft_vocab_size=100, target_hidden_size=64)
     fields.update(overrides)
     return DraftConfig(**fields)

@@ -93,7 +93,7 @@ def local_generator(
     """Replies from a local target, `batch_size` histories at a time; histories
     longer than `max_prompt_tokens` are declined (None).
 
-    Llama-family targets run in the decoding runtime (static KV cache, ~2x HF
+    Llama-family targets run in the decoding runtime (static KV cache, ~1.6x HF
     `generate` on CPU); other architectures fall back to HF `generate`.
     """
     import torch

@@ -43,7 +43,7 @@ def generate_batch(
         key_mask[row, : width - len(prompt)] = False
     logits, _ = model(ids, torch.arange(width, device=device), 0, last_only=True, key_mask=key_mask)
     eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=device)
-    out: list[list[int]] = [[] for _ in prompts]
+    steps: list[torch.Tensor] = []
     done = torch.zeros(b, dtype=torch.bool, device=device)
     for step in range(max_new_tokens):
         last = logits[:, -1]
@@ -51,12 +51,19 @@ def generate_batch(
             tokens = last.argmax(-1)
         else:
             tokens = torch.multinomial(sampling.probs(last), 1, generator=generator)[:, 0]
-        for row in (~done).nonzero()[:, 0].tolist():
-            out[row].append(int(tokens[row]))
+        steps.append(tokens)
         done |= torch.isin(tokens, eos)
         if bool(done.all()) or step == max_new_tokens - 1:
             break
         pos = width + step
         positions = torch.tensor([pos], device=device)
         logits, _ = model(tokens[:, None], positions, pos, key_mask=key_mask)
-    return out
+    return [_cut_at_eos(row, eos_ids) for row in torch.stack(steps, dim=1).tolist()]
+
+
+def _cut_at_eos(tokens: list[int], eos_ids: set[int]) -> list[int]:
+    """A row's tokens up to and including its first EOS."""
+    for i, token in enumerate(tokens):
+        if token in eos_ids:
+            return tokens[: i + 1]
+    return tokens
