@@ -107,3 +107,17 @@ def test_a_missing_benchmark_fails_before_training(tmp_path, monkeypatch, capsys
     code = main(["pipeline", "eval.benchmarks=[missing.jsonl]", "--output-dir", str(tmp_path)])
     assert code == 2
     assert "missing.jsonl" in capsys.readouterr().err
+
+
+def test_spec_bench_missing_on_this_machine_is_skipped_not_fatal(tmp_path, monkeypatch, caplog):
+    """The built-in Spec-Bench copy lies beside the project only; make demo runs without it."""
+    from eagletools.config import load_config
+    from eagletools.pipeline import _read_benchmarks
+
+    _, bench = write_inputs(tmp_path)
+    monkeypatch.setenv("EAGLETOOLS_SPEC_BENCH", str(tmp_path / "absent.jsonl"))
+    config = load_config(None, [f"eval.benchmarks=[spec-bench, {bench}]", "eval.num_prompts=2"])
+    with caplog.at_level("WARNING"):
+        questions = _read_benchmarks(config)
+    assert list(questions) == [str(bench)] and len(questions[str(bench)]) == 2
+    assert "skipping the spec-bench evaluation" in caplog.text
