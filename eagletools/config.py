@@ -73,6 +73,8 @@ class DraftSection:
 class TrainingSection:
     ttt_steps: int = 7
     ttt_decay: float = 0.8
+    eval_ttt_steps: int = 7  # the held-out unroll (acc_j, simulated acceptance length),
+    # apart from ttt_steps so that runs trained at different depths compare
     lr: float = 1e-4
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     weight_decay: float = 0.0
@@ -133,6 +135,7 @@ class TrainConfig:
         t = self.training
         checks = [
             (t.ttt_steps >= 1, "training.ttt_steps", "must be at least 1"),
+            (t.eval_ttt_steps >= 1, "training.eval_ttt_steps", "must be at least 1"),
             (0 < t.ttt_decay <= 1, "training.ttt_decay", "must be in (0, 1]"),
             (t.lr > 0, "training.lr", "must be positive"),
             (len(t.betas) == 2, "training.betas", "must be two numbers, e.g. [0.9, 0.95]"),

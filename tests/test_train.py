@@ -43,6 +43,7 @@ def tiny_config(*overrides):
             "training.max_steps=8",
             "training.lr=1e-3",
             "training.ttt_steps=3",
+            "training.eval_ttt_steps=4",
             "training.save_every=3",
             "training.eval_every=4",
             "data.eval_samples=8",
@@ -83,8 +84,8 @@ def test_train_writes_final_eagle_checkpoint_and_metrics(tmp_path):
     trainer, result = run(tmp_path, tiny_config())
     out = tmp_path / "out"
     metrics = json.loads((out / "metrics.json").read_text())
-    assert metrics["steps"] == 8 and len(metrics["acc"]) == 3
-    assert 1.0 <= metrics["simulated_acceptance_length"] <= 4.0
+    assert metrics["steps"] == 8 and len(metrics["acc"]) == 4  # the held-out unroll
+    assert 1.0 <= metrics["simulated_acceptance_length"] <= 5.0
     assert metrics["loss"] == pytest.approx(result["loss"])
     assert detect_format(out / "final") == "eagle"
     final = load_checkpoint(out / "final")

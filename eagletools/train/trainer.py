@@ -374,7 +374,8 @@ class Trainer:
         src = self.inputs.source
         order = sorted(self.eval_idx, key=src.length)
         chunks = [order[i : i + t.batch_size] for i in range(0, len(order), t.batch_size)]
-        total = StepStats(*(torch.zeros(t.ttt_steps, device=self.acc.device) for _ in range(3)))
+        total = StepStats(*(torch.zeros(t.eval_ttt_steps, device=self.acc.device)
+                            for _ in range(3)))  # fmt: skip
         model = self.acc.unwrap_model(self.model)
         rank, world = self.acc.process_index, self.acc.num_processes
         for chunk in chunks[rank::world]:
@@ -384,7 +385,7 @@ class Trainer:
             with self.acc.autocast():
                 _, stats = model(
                     batch.input_ids.to(self.acc.device), aux.to(self.acc.device),
-                    batch.loss_mask.to(self.acc.device), probs, argmax,
+                    batch.loss_mask.to(self.acc.device), probs, argmax, steps=t.eval_ttt_steps,
                 )  # fmt: skip
             for name in ("loss_sum", "correct", "count"):
                 getattr(total, name).add_(getattr(stats, name))
@@ -440,7 +441,7 @@ class Trainer:
         elapsed = time.perf_counter() - start
         result = {
             **eval_metrics,
-            "acc": [eval_metrics[f"acc_{j}"] for j in range(t.ttt_steps)] if eval_metrics else [],
+            "acc": [eval_metrics[f"acc_{j}"] for j in range(t.eval_ttt_steps)] if eval_metrics else [],
             "steps": self.state["step"],
             "trained_tokens": self.state["tokens"],
             "train_seconds": elapsed,

@@ -135,12 +135,14 @@ class TTTModel(nn.Module):
         teacher_probs: torch.Tensor,
         target_argmax: torch.Tensor,
         norm: torch.Tensor | None = None,
+        steps: int | None = None,
     ) -> tuple[torch.Tensor, StepStats]:
         """Right-padded batch [B,T] -> (loss, stats).
 
         loss = sum_j decay^j * loss_sum_j / norm_j; `norm` [K] defaults to the
         local masked counts. The trainer passes global counts (over ranks and
         accumulation steps) so any split of a batch gives the same gradient.
+        `steps` overrides the unroll length (held-out evaluation).
         """
         draft = self.draft
         b, t = input_ids.shape
@@ -152,7 +154,7 @@ class TTTModel(nn.Module):
         diag_v: list[torch.Tensor] = []
         loss = hidden.new_zeros((), dtype=torch.float32)
         sums, correct, count = [], [], []
-        for j in range(self.steps):
+        for j in range(steps or self.steps):
             ids = _shift(input_ids, 1 + j)
             embeds = draft.embed_tokens(ids).to(hidden.dtype)
             cos, sin = draft.rope(positions + j, hidden.dtype)
