@@ -14,6 +14,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -168,6 +169,12 @@ class Trainer:
             log_with=tracker,
             project_dir=str(self.out),
         )
+        fsdp_asked = os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true")
+        if fsdp_asked and self.acc.distributed_type.value != "FSDP":
+            # on CPU accelerate quietly turns an FSDP launch into DDP over gloo
+            log.warning("FSDP was asked but accelerate runs %s here (FSDP needs GPUs); "
+                        "the draft and optimizer are replicated, not sharded",
+                        self.acc.distributed_type.value)  # fmt: skip
         torch.manual_seed(t.seed)
 
         src = inputs.source
