@@ -265,10 +265,11 @@ class Trainer:
         return [json.loads(line) for line in path.read_text().splitlines() if line]
 
     def _save(self) -> None:
+        full = ckpt.full_state(self.draft, self.optimizer)  # every rank: FSDP gathers shards
         if self.acc.is_main_process:
             state = {"position": self.state, "recipe": self.config.to_dict()}
             ckpt.save_checkpoint(
-                self.out / "checkpoints", self.state["step"], self.draft, self.optimizer,
+                self.out / "checkpoints", self.state["step"], full, self.draft.config.to_dict(),
                 state, self.config.training.keep_last,
             )  # fmt: skip
             with atomic_file(self.out / "train_log.jsonl") as tmp:
@@ -448,7 +449,9 @@ class Trainer:
         elapsed = time.perf_counter() - start
         result = {
             **eval_metrics,
-            "acc": [eval_metrics[f"acc_{j}"] for j in range(t.eval_ttt_steps)] if eval_metrics else [],
+            "acc": [eval_metrics[f"acc_{j}"] for j in range(t.eval_ttt_steps)]
+            if eval_metrics
+            else [],
             "steps": self.state["step"],
             "trained_tokens": self.state["tokens"],
             "train_seconds": elapsed,
@@ -460,18 +463,19 @@ class Trainer:
             "vocab": self.vocab_report,
             **self.inputs.identity,
         }
-        if finished and self.acc.is_main_process:
-            self._write_final()
-            write_text(self.out / "metrics.json", json.dumps(result, indent=2))
+        if finished:
+            tensors, _ = ckpt.full_state(self.draft, self.optimizer)
+            if self.acc.is_main_process:
+                self._write_final(tensors)
+                write_text(self.out / "metrics.json", json.dumps(result, indent=2))
         self.acc.wait_for_everyone()
         self.acc.end_training()
         return result
 
-    def _write_final(self) -> None:
+    def _write_final(self, tensors: dict[str, torch.Tensor]) -> None:
         """The deployable draft in the `eagle` format, with d2t/t2d."""
         from eagletools.formats import Checkpoint, save_checkpoint
 
-        tensors = ckpt.draft_tensors(self.draft)
         source = str(self.out / "checkpoints")
         save_checkpoint(
             Checkpoint("eagle", self.draft.config, tensors, source),

@@ -1,0 +1,101 @@
+"""Checkpoints of a draft sharded by FSDP2, on two CPU processes over gloo.
+
+accelerate runs an FSDP launch as DDP when there is no GPU, so this drives
+`fully_shard` directly: the checkpoint functions the trainer calls must write
+the unsharded tensors and bring a fresh sharded run back onto the same step.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, {tests!r})
+    from pathlib import Path
+
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from test_train_ttt import batch, tiny_draft
+
+    from eagletools.train import checkpoint as ckpt
+    from eagletools.train.ttt import TTTModel
+
+    dist.init_process_group("gloo")
+    rank, root = dist.get_rank(), Path(sys.argv[1])
+    mesh = init_device_mesh("cpu", (2,))
+
+    def sharded(scramble=False):
+        draft = tiny_draft()  # the embeddings stand for the target's: never saved, same here
+        with torch.no_grad():
+            for p in draft.parameters():
+                if scramble and p.requires_grad:
+                    p.normal_()  # all the trained weights must come from the checkpoint
+        full = {{k: v.clone() for k, v in draft.state_dict().items()}}
+        model = TTTModel(draft, steps=2, chunk=4)
+        fully_shard(model, mesh=mesh)
+        params = [p for p in draft.parameters() if p.requires_grad]
+        return model, torch.optim.AdamW(params, lr=1e-2), full
+
+    def step(model, optimizer, seed):
+        loss, _ = model(*batch(model.draft, seed=seed + rank))  # each rank its own data
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.detach()
+
+    model, optimizer, full = sharded()
+    assert type(model.draft.fc.weight).__name__ == "DTensor"
+    for s in range(2):
+        step(model, optimizer, s)
+    state = ckpt.full_state(model.draft, optimizer)
+    if rank == 0:
+        ckpt.save_checkpoint(root, 2, state, model.draft.config.to_dict(), {{"step": 2}}, 1)
+    dist.barrier()
+    saved = load_file(str(root / "step-00000002" / "model.safetensors"))
+    for key, value in full.items():  # unsharded shapes, and training changed the weights
+        if key != "embed_tokens.weight":
+            assert saved[key].shape == value.shape, key
+    assert not torch.equal(saved["fc.weight"], full["fc.weight"])
+    expected = step(model, optimizer, 2)
+
+    fresh, fresh_optimizer, _ = sharded(scramble=True)
+    ckpt.load_checkpoint(root / "step-00000002", fresh.draft, fresh_optimizer)
+    got = step(fresh, fresh_optimizer, 2)
+    assert abs(float(got) - float(expected)) <= 1e-6, (float(got), float(expected))
+    for a, b in zip(model.draft.parameters(), fresh.draft.parameters(), strict=True):
+        assert torch.allclose(a.full_tensor(), b.full_tensor(), atol=1e-6)
+    print("rank", rank, "ok", float(got))
+    dist.destroy_process_group()
+    """
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_fsdp_checkpoint_is_unsharded_and_resumes(tmp_path):
+    script = tmp_path / "run.py"
+    script.write_text(SCRIPT.format(tests=str(Path(__file__).parent)))
+    torchrun = Path(sys.executable).parent / "torchrun"
+    cmd = [str(torchrun), "--nproc_per_node", "2", "--master_port", str(free_port()),
+           str(script), str(tmp_path / "checkpoints")]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert done.stdout.count(" ok ") == 2
