@@ -322,3 +322,10 @@ def test_regenerate_section_trains_on_the_targets_own_replies(tmp_path, offline)
     assert result["steps"] == 2 and result["mode"] == ("offline" if offline else "online")
     with pytest.raises(UserError, match="data.regenerate.max_new_tokens"):
         tiny_config("data.regenerate.max_new_tokens=0")
+
+
+def test_regenerate_refuses_a_tokenised_dataset(tmp_path):
+    config = tiny_config("data.regenerate.enabled=true")
+    with pytest.raises(UserError, match="tokenised dataset was passed.*data.regenerate.enabled"):
+        train(config, tmp_path / "o", target=tiny_target(), dataset=random_dataset())
+    assert not (tmp_path / "o").exists()  # refused before anything is written

@@ -45,12 +45,6 @@ def split_recipe(items: list[str]) -> tuple[str | None, list[str]]:
 
 def _train(args: argparse.Namespace) -> int:
     import json
-    import os
-
-    # Spinning OpenMP threads lose most of their time on a shared CPU (measured 3x
-    # slower target forwards with 2 threads on a loaded 2-core machine); passive
-    # waiting costs little when the machine is idle. Set before torch loads.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
     from eagletools.config import dump_config, load_config
 

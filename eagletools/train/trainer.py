@@ -515,6 +515,12 @@ def train(
     stops after that step as an interruption would (the checkpoints stay).
     """
     if config.data.regenerate.enabled and not config.data.hidden_states:
+        if dataset is not None:
+            raise UserError(
+                "data.regenerate rewrites the replies of the conversations in data.train, but a "
+                "tokenised dataset was passed: pass the conversations as data.train instead, "
+                "or set data.regenerate.enabled=false"
+            )
         target = target or _load_target(config)
         config = copy.deepcopy(config)
         config.data.train = str(regenerated_data(config, output_dir, target))
