@@ -264,7 +264,8 @@ class Trainer:
             return []
         return [json.loads(line) for line in path.read_text().splitlines() if line]
 
-    def _save(self) -> None:
+    def _save(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Write a checkpoint; returns the gathered state, so the final write reuses it."""
         full = ckpt.full_state(self.draft, self.optimizer)  # every rank: FSDP gathers shards
         if self.acc.is_main_process:
             state = {"position": self.state, "recipe": self.config.to_dict()}
@@ -275,6 +276,7 @@ class Trainer:
             with atomic_file(self.out / "train_log.jsonl") as tmp:
                 tmp.write_text("".join(json.dumps(h) + "\n" for h in self.history))
         self.acc.wait_for_everyone()
+        return full
 
     # -- steps -------------------------------------------------------------
 
@@ -422,6 +424,7 @@ class Trainer:
         start, start_tokens = time.perf_counter(), self.state["tokens"]
         eval_metrics: dict[str, float] = {}
         finished = self.state["step"] >= self.total
+        saved = None  # the state the last checkpoint gathered
         while not finished:
             step_start = time.perf_counter()
             metrics = self.train_step()
@@ -442,16 +445,15 @@ class Trainer:
                 if eval_metrics and self.acc.is_main_process:
                     log.info("step %d held-out %s", step, _fmt(eval_metrics))
             if (t.save_every and step % t.save_every == 0) or finished:
-                self._save()
+                saved = self._save()
             if self.stop_after is not None and step >= self.stop_after:
                 break
         bar.close()
         elapsed = time.perf_counter() - start
+        acc = [eval_metrics[f"acc_{j}"] for j in range(t.eval_ttt_steps)] if eval_metrics else []
         result = {
             **eval_metrics,
-            "acc": [eval_metrics[f"acc_{j}"] for j in range(t.eval_ttt_steps)]
-            if eval_metrics
-            else [],
+            "acc": acc,
             "steps": self.state["step"],
             "trained_tokens": self.state["tokens"],
             "train_seconds": elapsed,
@@ -463,8 +465,8 @@ class Trainer:
             "vocab": self.vocab_report,
             **self.inputs.identity,
         }
-        if finished:
-            tensors, _ = ckpt.full_state(self.draft, self.optimizer)
+        if finished:  # a run resumed after its end saves nothing in the loop
+            tensors, _ = saved or ckpt.full_state(self.draft, self.optimizer)
             if self.acc.is_main_process:
                 self._write_final(tensors)
                 write_text(self.out / "metrics.json", json.dumps(result, indent=2))
