@@ -13,7 +13,8 @@ import pytest
 
 SCRIPT = textwrap.dedent(
     """
-    import sys
+    import faulthandler, sys
+    faulthandler.dump_traceback_later(240, exit=True)  # a hang fails with every thread's stack
     sys.path.insert(0, {tests!r})
     from test_train import random_dataset, tiny_config, tiny_target
     from eagletools.train.trainer import train
@@ -41,7 +42,7 @@ def test_two_processes_match_one_with_the_same_global_batch(tmp_path):
     script = tmp_path / "run.py"
     script.write_text(SCRIPT.format(tests=str(Path(__file__).parent)))
     one = subprocess.run([sys.executable, str(script), str(tmp_path / "one"), "4"],
-                         capture_output=True, text=True, timeout=600)  # fmt: skip
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
     assert one.returncode == 0, one.stderr[-3000:]
     accelerate = Path(sys.executable).parent / "accelerate"
     cmd = [
@@ -50,7 +51,7 @@ def test_two_processes_match_one_with_the_same_global_batch(tmp_path):
         "--main_process_port", str(free_port()), "--num_cpu_threads_per_process", "1",
         str(script), str(tmp_path / "two"), "2",
     ]  # fmt: skip
-    two = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    two = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert two.returncode == 0, two.stderr[-3000:]
     a, b = losses(tmp_path / "one"), losses(tmp_path / "two")
     assert len(a) == len(b) == 5

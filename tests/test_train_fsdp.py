@@ -18,7 +18,8 @@ import pytest
 
 SCRIPT = textwrap.dedent(
     """
-    import sys
+    import faulthandler, sys
+    faulthandler.dump_traceback_later(240, exit=True)  # a hang fails with every thread's stack
     sys.path.insert(0, {tests!r})
     from pathlib import Path
 
@@ -77,7 +78,10 @@ SCRIPT = textwrap.dedent(
     for a, b in zip(model.draft.parameters(), fresh.draft.parameters(), strict=True):
         assert torch.allclose(a.full_tensor(), b.full_tensor(), atol=1e-6)
     print("rank", rank, "ok", float(got))
+    last = dist.barrier(async_op=True)  # freed by this thread, after the group (see Trainer._close)
+    last.wait()
     dist.destroy_process_group()
+    del last
     """
 )
 

@@ -470,9 +470,26 @@ class Trainer:
             if self.acc.is_main_process:
                 self._write_final(tensors)
                 write_text(self.out / "metrics.json", json.dumps(result, indent=2))
-        self.acc.wait_for_everyone()
-        self.acc.end_training()
+        self._close()
         return result
+
+    def _close(self) -> None:
+        """Meet the other ranks and free the process group without a deadlock.
+
+        torch 2.13's `ProcessGroupGloo` destructor joins its worker threads while it holds
+        the GIL; a worker that drops the last reference to a finished collective needs the
+        GIL to free its Python tensors. One 2-process run in ~20 hung so when DDP's reducer
+        was collected. Holding the last barrier's work here until the group is gone makes
+        this thread, not a worker, free it.
+        """
+        last = None
+        if self.acc.num_processes > 1:
+            last = torch.distributed.barrier(async_op=True)
+            last.wait()
+        self.model = self.optimizer = None  # DDP's reducer holds the process group
+        self.acc.free_memory()
+        self.acc.end_training()  # destroys the group: its workers are joined here
+        del last
 
     def _write_final(self, tensors: dict[str, torch.Tensor]) -> None:
         """The deployable draft in the `eagle` format, with d2t/t2d."""
