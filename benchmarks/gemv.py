@@ -1,11 +1,13 @@
-"""One token times a weight on CPU: `F.linear` against `torch.mv`, per SmolLM2-135M shape.
+"""Rows times a weight on CPU, per SmolLM2-135M shape: `F.linear`, `torch.mv`, packed.
 
-Decoding at batch 1 is a chain of matrix-vector products, so their speed is the
-baseline's speed. Each call takes the next of enough distinct weights (about
-200 MB) that none is still in cache, as in a real forward. Prints microseconds
-(median of 5 rounds) and the weight bytes streamed per second.
+Decoding multiplies 1 row (a token) or a few (a draft tree) by every weight;
+training's target forward multiplies hundreds. `packed` is `eagletools.cpu_ops.linear`,
+which pre-packs bf16 weights for oneDNN once instead of at every call. Each call
+takes the next of enough distinct weights (about 200 MB) that none is still in
+cache, as in a real forward. Prints microseconds per call (median of 5 rounds)
+and each method's speed-up over `F.linear`.
 
-    .venv/bin/python benchmarks/gemv.py [--dtype bfloat16|float32] [--threads N]
+    .venv/bin/python benchmarks/gemv.py [--dtype bfloat16|float32] [--threads N] [--rows 1 12 512]
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import time
 
 import torch
 import torch.nn.functional as F
+
+from eagletools.cpu_ops import linear, packed_weight, packing_available
 
 SHAPES = {  # SmolLM2-135M: (out, in)
     "fused q/k/v": (960, 576),
@@ -43,30 +47,38 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--threads", type=int)
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 12, 512])
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    methods = {
-        "F.linear": lambda w, x: F.linear(x.view(1, 1, -1), w),
-        "torch.mv": lambda w, x: torch.mv(w, x),
-    }
+    methods = {"F.linear": lambda w, x: F.linear(x, w)}
+    methods["torch.mv (1 row)"] = lambda w, x: torch.mv(w, x[0])
+    if dtype == torch.bfloat16 and packing_available():
+        methods["packed"] = lambda w, x: linear(x, w, None)
     print(f"dtype {args.dtype}, {torch.get_num_threads()} threads")
-    print(f"| weight | shape | {' | '.join(methods)} | mv speed-up | mv GB/s |")
-    print("|---|---|" + "---|" * (len(methods) + 2))
+    print(f"| weight | shape | rows | {' | '.join(methods)} | speed-up over F.linear |")
+    print("|---|---|---|" + "---|" * (len(methods) + 1))
     with torch.inference_mode():
         for name, (out, inp) in SHAPES.items():
             nbytes = out * inp * dtype.itemsize
             weights = [
                 torch.randn(out, inp, dtype=dtype) for _ in range(max(4, 200_000_000 // nbytes))
             ]
-            x = torch.randn(inp, dtype=dtype)
-            us = {m: time_calls(fn, weights, x) for m, fn in methods.items()}
-            cells = " | ".join(f"{us[m]:.0f} us" for m in methods)
-            ratio = us["F.linear"] / us["torch.mv"]
-            print(
-                f"| {name} | {out}x{inp} | {cells} | {ratio:.2f}x | {nbytes / us['torch.mv'] / 1e3:.1f} |"
-            )
+            if "packed" in methods:
+                for w in weights:
+                    packed_weight(w)  # packed once, as a model's weights are
+            for rows in args.rows:
+                x = torch.randn(rows, inp, dtype=dtype)
+                us = {
+                    m: time_calls(fn, weights, x)
+                    for m, fn in methods.items()
+                    if rows == 1 or not m.startswith("torch.mv")
+                }
+                cells = " | ".join(f"{us[m]:.0f} us" if m in us else "-" for m in methods)
+                best = {m: us["F.linear"] / t for m, t in us.items() if m != "F.linear"}
+                gains = ", ".join(f"{m.split()[0]} {r:.2f}x" for m, r in best.items())
+                print(f"| {name} | {out}x{inp} | {rows} | {cells} | {gains} |")
 
 
 if __name__ == "__main__":

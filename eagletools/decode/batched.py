@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
+from eagletools.cpu_ops import argmax
 from eagletools.decode.engine import Sampling
 from eagletools.decode.model import Transformer
 
@@ -48,7 +49,7 @@ def generate_batch(
     for step in range(max_new_tokens):
         last = logits[:, -1]
         if sampling.greedy:
-            tokens = last.argmax(-1)
+            tokens = argmax(last)
         else:
             tokens = torch.multinomial(sampling.probs(last), 1, generator=generator)[:, 0]
         steps.append(tokens)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from eagletools import kernels
+from eagletools.cpu_ops import argmax, pack_linears
 from eagletools.decode.model import Transformer, extend_mask
 from eagletools.decode.tree import check_tree_shape, grow_tree, max_tree_nodes
 from eagletools.errors import UserError
@@ -211,7 +212,7 @@ class BaselineDecoder:
 
     def _choose(self, logits: torch.Tensor, sampling: Sampling, generator) -> int:
         if sampling.greedy:
-            return int(logits.argmax())
+            return int(argmax(logits))
         return int(torch.multinomial(sampling.probs(logits), 1, generator=generator))
 
     def _prefill(self, prompt: list[int], reuse: int):
@@ -282,7 +283,7 @@ class SpeculativeDecoder(BaselineDecoder):
         self.topk, self.depth, self.num_draft_tokens = topk, depth, num_draft_tokens
         self.margin = num_draft_tokens + 1
         super().__init__(model, tokenizer, max_seq_len)
-        self.draft = draft.to(model.dtype).eval()
+        self.draft = pack_linears(draft.to(model.dtype).eval())
         self.aux_ids = tuple(draft.config.aux_layer_ids)
         size = model.cache_len + max_tree_nodes(topk, depth)
         self.cache = DraftKVCache.allocate(draft.config, 1, size, model.dtype, model.device)
@@ -358,7 +359,7 @@ class SpeculativeDecoder(BaselineDecoder):
     def _verify(self, tree, logits: torch.Tensor, sampling: Sampling, generator):
         tokens, parents = tree.tokens[None], tree.parents[None]
         if sampling.greedy:
-            return kernels.verify_greedy(tokens, parents, logits.argmax(-1)[None])
+            return kernels.verify_greedy(tokens, parents, argmax(logits)[None])
         uniforms = torch.rand(1, len(tree) + 1, generator=generator, device=logits.device)
         return kernels.verify_sampling(tokens, parents, sampling.probs(logits)[None], uniforms)
 

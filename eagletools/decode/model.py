@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eagletools import kernels
+from eagletools.cpu_ops import PackedLinear
 from eagletools.draft.model import RMSNorm
 from eagletools.errors import UserError
 from eagletools.rope import RotaryEmbedding, rotate_half
@@ -118,29 +119,13 @@ def attention(q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
     return (probs @ v.float()).to(q.dtype).view(b, hq, t, d)
 
 
-class Linear(nn.Linear):
-    """nn.Linear whose single-row case runs as a matrix-vector product.
-
-    Decoding multiplies one token by every weight: on CPU `torch.mv` streams a
-    bf16 weight 1.4-1.6x faster than `F.linear` (benchmarks/gemv.py), fp32 1.0-1.2x.
-    """
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() != self.in_features or x.device.type != "cpu":
-            return super().forward(x)
-        y = torch.mv(self.weight, x.reshape(-1))
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*x.shape[:-1], self.out_features)
-
-
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.n_heads, self.n_kv, self.hd = args.n_heads, args.n_kv_heads, args.head_dim
         qkv_out = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
-        self.wqkv = Linear(args.dim, qkv_out, bias=args.qkv_bias)
-        self.wo = Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.wqkv = PackedLinear(args.dim, qkv_out, bias=args.qkv_bias)
+        self.wo = PackedLinear(args.n_heads * args.head_dim, args.dim, bias=False)
         if args.qk_norm:
             self.q_norm = RMSNorm(args.head_dim, args.norm_eps)
             self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
@@ -171,8 +156,8 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.w13 = Linear(args.dim, 2 * args.intermediate_size, bias=False)
-        self.w2 = Linear(args.intermediate_size, args.dim, bias=False)
+        self.w13 = PackedLinear(args.dim, 2 * args.intermediate_size, bias=False)
+        self.w2 = PackedLinear(args.intermediate_size, args.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w13(x).chunk(2, dim=-1)
@@ -199,7 +184,7 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = Linear(args.dim, args.vocab_size, bias=False)
+        self.output = PackedLinear(args.dim, args.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(args.head_dim, 10000.0, None, args.max_seq_len)
         self.cache_len = 0
         self.cache_owner = None  # the decoder whose tokens the KV cache holds

@@ -16,6 +16,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from eagletools.cpu_ops import argmax
+
 
 def _attend_chunk(
     q: torch.Tensor,
@@ -101,9 +103,9 @@ def teacher_targets(
     rows = torch.arange(d2t.numel(), device=d2t.device) + d2t
     flat = last_hidden.reshape(-1, last_hidden.shape[-1]).to(lm_head_weight.dtype)
     probs = torch.softmax((flat @ lm_head_weight[rows].T).float(), dim=-1)
-    argmax = torch.cat([(part @ lm_head_weight.T).argmax(-1) for part in flat.split(chunk_tokens)])
+    best = torch.cat([argmax(part @ lm_head_weight.T) for part in flat.split(chunk_tokens)])
     b, t = last_hidden.shape[:2]
-    return probs.view(b, t, -1), argmax.view(b, t)
+    return probs.view(b, t, -1), best.view(b, t)
 
 
 @dataclass
@@ -168,16 +170,16 @@ class TTTModel(nn.Module):
             hidden = draft.midlayer.finish(out, residual)
 
             probs = _shift(teacher_probs, 1 + j)
-            argmax = _shift(target_argmax, 1 + j)
+            wanted = _shift(target_argmax, 1 + j)
             mask = _shift(loss_mask, 2 + j).float()
             logp = torch.log_softmax(draft.logits(hidden).float(), dim=-1)
             ce = -(probs * logp).sum(-1)
-            loss_sum = (ce * mask * t2d[argmax]).sum()
+            loss_sum = (ce * mask * t2d[wanted]).sum()
             n = mask.sum()
             denom = (norm[j] if norm is not None else n).clamp(min=1.0)
             loss = loss + self.decay**j * loss_sum / denom
             with torch.no_grad():
-                hit = draft.to_target_ids(logp.argmax(-1)) == argmax
+                hit = draft.to_target_ids(argmax(logp)) == wanted
                 sums.append(loss_sum.detach())
                 correct.append((hit.float() * mask).sum())
                 count.append(n)

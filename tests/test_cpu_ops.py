@@ -1,0 +1,88 @@
+"""CPU fast paths against the plain ops: packed linears (products, gradients, fresh
+weights) and argmax (ties)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import tiny_model
+
+from eagletools.cpu_ops import PackedLinear, argmax, linear, pack_linears, packing_available
+
+needs_packing = pytest.mark.skipif(not packing_available(), reason="no oneDNN bf16 packing")
+
+
+def close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
+    return bool(((a.float() - b.float()).abs() / b.float().abs().clamp(min=1)).max() <= tol)
+
+
+@needs_packing
+@pytest.mark.parametrize("rows", [1, 3, 12, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_product_equals_f_linear(rows, bias):
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(40, 96, generator=g).bfloat16()
+    b = torch.randn(40, generator=g).bfloat16() if bias else None
+    x = torch.randn(2, rows, 96, generator=g).bfloat16()
+    with torch.no_grad():
+        assert close(linear(x, w, b), F.linear(x, w, b), 1e-2)
+        strided = torch.randn(96, rows, generator=g).bfloat16().t()  # not contiguous
+        assert close(linear(strided, w, b), F.linear(strided, w, b), 1e-2)
+
+
+@needs_packing
+def test_a_changed_weight_is_packed_again():
+    w = torch.randn(16, 32).bfloat16()
+    x = torch.randn(4, 32).bfloat16()
+    with torch.no_grad():
+        first = linear(x, w, None)
+        w.mul_(-2)  # in place: same storage, new version
+        assert close(linear(x, w, None), -2 * first, 1e-2)
+        w.copy_(torch.randn(16, 32))
+        assert close(linear(x, w, None), F.linear(x, w), 1e-2)
+
+
+def test_grad_flows_through_the_unpacked_path():
+    layer = PackedLinear(32, 8).bfloat16()
+    x = torch.randn(5, 32).bfloat16().requires_grad_()
+    layer(x).float().sum().backward()
+    assert layer.weight.grad is not None and x.grad is not None
+    assert torch.isfinite(layer.weight.grad.float()).all()
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_single_row_equals_the_matrix_path(dtype, tol, bias):
+    torch.manual_seed(0)
+    layer = PackedLinear(96, 40, bias=bias).to(dtype)
+    one, many = torch.randn(1, 1, 96, dtype=dtype), torch.randn(2, 3, 96, dtype=dtype)
+    with torch.no_grad():
+        out = layer(one)
+        assert out.shape == (1, 1, 40)
+        assert close(out, F.linear(one, layer.weight, layer.bias), tol)
+        assert close(layer(many), F.linear(many, layer.weight, layer.bias), tol)
+
+
+def test_pack_linears_keeps_the_model_and_its_state_dict():
+    model = tiny_model("llama", seed=0).to(torch.bfloat16)
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(ids).logits
+        keys = list(model.state_dict())
+        pack_linears(model)
+        got = model(ids).logits
+    assert any(isinstance(m, PackedLinear) for m in model.modules())
+    assert list(model.state_dict()) == keys
+    assert close(got, ref, 3e-2)
+    copy.deepcopy(model)  # the packed copies live outside the module
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_argmax_takes_the_first_maximum_like_torch(dtype):
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(40, 5000, generator=g) * 2).round().to(dtype)  # ties at most maxima
+    assert torch.equal(argmax(x), x.argmax(-1))
+    assert torch.equal(argmax(x[0], 0), x[0].argmax())
