@@ -73,6 +73,8 @@ class DraftSection:
 class TrainingSection:
     ttt_steps: int = 7
     ttt_decay: float = 0.8
+    loss_on: str = "replies"  # replies: the loss mask's tokens | all: every token, prompts
+    # too (the teacher is the target's distribution wherever it is); held-out: replies
     eval_ttt_steps: int = 7  # the held-out unroll (acc_j, simulated acceptance length),
     # apart from ttt_steps so that runs trained at different depths compare
     lr: float = 1e-4
@@ -137,6 +139,7 @@ class TrainConfig:
             (t.ttt_steps >= 1, "training.ttt_steps", "must be at least 1"),
             (t.eval_ttt_steps >= 1, "training.eval_ttt_steps", "must be at least 1"),
             (0 < t.ttt_decay <= 1, "training.ttt_decay", "must be in (0, 1]"),
+            (t.loss_on in ("replies", "all"), "training.loss_on", "must be replies or all"),
             (t.lr > 0, "training.lr", "must be positive"),
             (len(t.betas) == 2, "training.betas", "must be two numbers, e.g. [0.9, 0.95]"),
             (0 <= t.warmup_ratio < 1, "training.warmup_ratio", "must be in [0, 1)"),

@@ -14,6 +14,7 @@ from eagletools.target import Target, TargetInfo
 from eagletools.train import trainer as trainer_mod
 from eagletools.train.data import plan_epoch, split_indices
 from eagletools.train.trainer import Trainer, online_inputs, train
+from eagletools.train.ttt import TTTModel
 
 
 def tiny_target(family="llama", seed=0) -> Target:
@@ -118,6 +119,34 @@ def test_training_lowers_the_held_out_loss(tmp_path):
     before, after = results
     assert after["loss"] < before["loss"] - 0.5
     assert after["acc_0"] > before["acc_0"] + 0.03
+
+
+def test_loss_on_all_trains_on_prompts_and_evaluates_on_replies(tmp_path, monkeypatch):
+    seen = []
+    forward = TTTModel.forward
+
+    def spy(self, input_ids, aux, loss_mask, *args, **kwargs):
+        seen.append(loss_mask.bool().clone())
+        return forward(self, input_ids, aux, loss_mask, *args, **kwargs)
+
+    monkeypatch.setattr(TTTModel, "forward", spy)
+    for loss_on in ("replies", "all"):
+        config = tiny_config(f"training.loss_on={loss_on}", "training.max_steps=1")
+        inputs = online_inputs(config, tiny_target(), random_dataset())
+        trainer = Trainer(config, tmp_path / loss_on, inputs)
+        seen.clear()
+        trainer.train_step()
+        trained = list(seen)
+        seen.clear()
+        trainer.evaluate()
+        # random_dataset masks the first third of every sample out of the replies
+        assert all(m[:, 0].all() == (loss_on == "all") for m in trained)
+        assert seen and not any(m[:, 0].any() for m in seen)  # held-out: replies only
+
+
+def test_loss_on_is_checked():
+    with pytest.raises(UserError, match="training.loss_on"):
+        tiny_config("training.loss_on=prompts")
 
 
 @pytest.mark.slow

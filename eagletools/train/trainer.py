@@ -306,7 +306,10 @@ class Trainer:
         out = []
         for global_batch in plan[start : start + t.grad_accum]:
             mine = global_batch[rank * t.batch_size : (rank + 1) * t.batch_size]
-            out.append(self.inputs.source.batch([self.train_idx[i] for i in mine]))
+            batch = self.inputs.source.batch([self.train_idx[i] for i in mine])
+            if t.loss_on == "all":  # the teacher is the target's distribution there too
+                batch = dataclasses.replace(batch, loss_mask=batch.attention_mask)
+            out.append(batch)
         return out
 
     def _progress(self) -> float:
