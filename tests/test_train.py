@@ -140,7 +140,7 @@ def test_loss_on_all_trains_on_prompts_and_evaluates_on_replies(tmp_path, monkey
         seen.clear()
         trainer.evaluate()
         # random_dataset masks the first third of every sample out of the replies
-        assert all(m[:, 0].all() == (loss_on == "all") for m in trained)
+        assert trained and all(m[:, 0].all() == (loss_on == "all") for m in trained)
         assert seen and not any(m[:, 0].any() for m in seen)  # held-out: replies only
 
 
