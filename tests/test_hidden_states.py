@@ -112,6 +112,34 @@ def test_offline_training_matches_online_closely(tmp_path):
     assert offline.inputs.target_model is None  # the target was never loaded
 
 
+def test_offline_epochs_reuse_the_target_argmax_exactly(tmp_path, monkeypatch):
+    """The memo skips the full-vocab product after epoch 1 and changes no loss."""
+    from eagletools.train import trainer as trainer_mod
+
+    write(tiny_target(), random_dataset(n=40), tmp_path / "c")
+    config = tiny_config("training.num_epochs=3", "training.max_steps=null",
+                         "target.spec=tiny-llama", "data.hidden_states=" + str(tmp_path / "c"))  # fmt: skip
+    known = []
+    real = trainer_mod.teacher_targets
+
+    def spy(*args, known_argmax=None, **kwargs):
+        probs, argmax = real(*args, **kwargs)  # always computed here, to compare
+        if known_argmax is not None:
+            assert torch.equal(known_argmax, argmax)
+            known.append(argmax.shape)
+        return probs, argmax
+
+    monkeypatch.setattr(trainer_mod, "teacher_targets", spy)
+    memo = Trainer(config, tmp_path / "memo", offline_inputs(config))
+    memo.run()
+    plain = Trainer(config, tmp_path / "plain", offline_inputs(config))
+    plain.argmax_memo = None
+    plain.run()
+    assert len(memo.argmax_memo.rows) == len(memo.train_idx) + len(memo.eval_idx)
+    assert len(known) >= 2 * len(memo.history) // 3  # epochs 2 and 3 (and later evals)
+    assert [h["loss"] for h in memo.history] == [h["loss"] for h in plain.history]
+
+
 def test_offline_in_one_command_builds_then_reuses_the_cache(tmp_path):
     from eagletools.train.trainer import train
 

@@ -307,6 +307,7 @@ class HiddenStateCache:
             attention_mask=pad_right([torch.ones_like(x) for x in ids], t),
             aux=pad_right([self._read(i, "aux") for i in indices], t),
             last_hidden=pad_right([self._read(i, "last_hidden") for i in indices], t),
+            indices=list(indices),
         )
 
     def bytes_per_token(self) -> float:

@@ -92,19 +92,23 @@ def teacher_targets(
     lm_head_weight: torch.Tensor,
     d2t: torch.Tensor,
     chunk_tokens: int = 1024,
+    known_argmax: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's distribution over the draft vocab and its full-vocab argmax.
 
     last_hidden [B,T,Ht] (after the final norm), lm_head_weight [V,Ht], d2t [Vd]
     -> (probs [B,T,Vd] fp32, renormalised over the draft vocab; argmax [B,T]).
     Only the draft-vocab rows get softmaxed; the full product is formed chunk
-    by chunk just for the argmax, so no [T, V] tensor is kept.
+    by chunk just for the argmax, so no [T, V] tensor is kept. `known_argmax`
+    (an offline epoch's memo) skips that product, the larger of the two.
     """
     rows = torch.arange(d2t.numel(), device=d2t.device) + d2t
     flat = last_hidden.reshape(-1, last_hidden.shape[-1]).to(lm_head_weight.dtype)
     probs = torch.softmax((flat @ lm_head_weight[rows].T).float(), dim=-1)
-    best = torch.cat([argmax(part @ lm_head_weight.T) for part in flat.split(chunk_tokens)])
     b, t = last_hidden.shape[:2]
+    if known_argmax is not None:
+        return probs.view(b, t, -1), known_argmax
+    best = torch.cat([argmax(part @ lm_head_weight.T) for part in flat.split(chunk_tokens)])
     return probs.view(b, t, -1), best.view(b, t)
 
 
