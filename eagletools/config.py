@@ -66,7 +66,7 @@ class VocabSection:
 class DraftSection:
     norm_before_residual: bool = False
     init_head_from_target: bool = True  # start norm/lm_head as the target's rows
-    init_from: str | None = None  # a draft checkpoint to continue from
+    intermediate_size: int | None = None  # the MLP's width (None: the target's)
 
 
 @dataclass
@@ -160,7 +160,7 @@ class TrainConfig:
             (self.data.max_length >= 4, "data.max_length", "must be at least 4"),
             (self.data.eval_samples >= 0, "data.eval_samples", "must be >= 0"),
             (
-                (self.data.regenerate.max_turns or 1) >= 1,
+                self.data.regenerate.max_turns is None or self.data.regenerate.max_turns >= 1,
                 "data.regenerate.max_turns",
                 "must be at least 1 (or null: all turns)",
             ),
@@ -170,6 +170,11 @@ class TrainConfig:
                 "must be at least 1",
             ),
             (self.data.regenerate.batch_size >= 1, "data.regenerate.batch_size", "must be >= 1"),
+            (
+                self.draft.intermediate_size is None or self.draft.intermediate_size >= 1,
+                "draft.intermediate_size",
+                "must be positive (or null: the target's)",
+            ),
             (self.vocab.draft_vocab_size >= 1, "vocab.draft_vocab_size", "must be positive"),
             (self.eval.num_prompts >= 1, "eval.num_prompts", "must be at least 1"),
             (self.eval.max_new_tokens >= 1, "eval.max_new_tokens", "must be at least 1"),

@@ -100,6 +100,23 @@ def test_train_writes_final_eagle_checkpoint_and_metrics(tmp_path):
     assert torch.equal(load_checkpoint(steps[-1]).tensors["d2t"], trainer.vocab.d2t)
 
 
+def test_draft_mlp_width_is_a_recipe_field(tmp_path):
+    from eagletools.formats import load_checkpoint
+
+    trainer, _ = run(tmp_path, tiny_config("draft.intermediate_size=96", "training.max_steps=1"))
+    assert trainer.draft.midlayer.mlp.up_proj.weight.shape == (96, 64)  # the target's is 128
+    final = load_checkpoint(tmp_path / "out" / "final")
+    assert final.config.intermediate_size == 96
+    assert final.tensors["midlayer.mlp.down_proj.weight"].shape == (64, 96)
+    with pytest.raises(UserError, match="draft.intermediate_size"):
+        tiny_config("draft.intermediate_size=0")
+
+
+def test_zero_regenerated_turns_is_refused():
+    with pytest.raises(UserError, match="data.regenerate.max_turns"):
+        tiny_config("data.regenerate.max_turns=0")
+
+
 @pytest.mark.slow
 def test_training_lowers_the_held_out_loss(tmp_path):
     """With a peaked teacher (scaled lm_head) the draft has something to learn."""

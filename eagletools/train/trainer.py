@@ -205,12 +205,14 @@ class Trainer:
             )
         self.vocab, self.vocab_report = build_vocab_for(config, inputs, self.train_idx, self.out)
 
+        d = config.draft
         draft = Eagle3Draft.from_target(
             inputs.head_model,
             self.vocab,
             aux_layer_ids=inputs.aux_layer_ids,
             init_head_from_target=config.draft.init_head_from_target,
             norm_before_residual=config.draft.norm_before_residual,
+            **({"intermediate_size": d.intermediate_size} if d.intermediate_size else {}),
         )
         model = TTTModel(draft, t.ttt_steps, t.ttt_decay, t.attn_chunk)
         self.params = [p for p in draft.parameters() if p.requires_grad]
