@@ -210,9 +210,9 @@ class Trainer:
             inputs.head_model,
             self.vocab,
             aux_layer_ids=inputs.aux_layer_ids,
-            init_head_from_target=config.draft.init_head_from_target,
-            norm_before_residual=config.draft.norm_before_residual,
-            **({"intermediate_size": d.intermediate_size} if d.intermediate_size else {}),
+            init_head_from_target=d.init_head_from_target,
+            norm_before_residual=d.norm_before_residual,
+            intermediate_size=d.intermediate_size or inputs.head_model.config.intermediate_size,
         )
         model = TTTModel(draft, t.ttt_steps, t.ttt_decay, t.attn_chunk)
         self.params = [p for p in draft.parameters() if p.requires_grad]
