@@ -77,7 +77,8 @@ SCRIPT = textwrap.dedent(
     assert abs(float(got) - float(expected)) <= 1e-6, (float(got), float(expected))
     for a, b in zip(model.draft.parameters(), fresh.draft.parameters(), strict=True):
         assert torch.allclose(a.full_tensor(), b.full_tensor(), atol=1e-6)
-    print("rank", rank, "ok", float(got))
+    # one write per rank: the ranks share an unbuffered stdout, and print's pieces interleave
+    sys.stdout.write(f"rank {{rank}} ok {{float(got)}}\\n")
     last = dist.barrier(async_op=True)  # freed by this thread, after the group (see Trainer._close)
     last.wait()
     dist.destroy_process_group()
