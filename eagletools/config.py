@@ -65,6 +65,8 @@ class VocabSection:
 @dataclass
 class DraftSection:
     norm_before_residual: bool = False
+    fc_norm: bool = False  # EAGLE-3.1 per-aux-state norms before `fc`
+    norm_output: bool = False  # EAGLE-3.1: later steps take the normed output
     init_head_from_target: bool = True  # start norm/lm_head as the target's rows
     intermediate_size: int | None = None  # the MLP's width (None: the target's)
 

@@ -47,12 +47,11 @@ def test_rope_matches_transformers(scaling):
     torch.testing.assert_close(apply_rope(x, cos, sin), q_hf)
 
 
-@pytest.mark.parametrize("norm_before_residual,qk_norm", [(False, False), (True, True)])
-def test_decode_chain_equals_causal_forward(norm_before_residual, qk_norm):
+@pytest.mark.parametrize("flags", [False, True], ids=["plain", "all-norms"])
+def test_decode_chain_equals_causal_forward(flags):
     torch.manual_seed(0)
-    draft = Eagle3Draft(
-        small_config(norm_before_residual=norm_before_residual, qk_norm=qk_norm)
-    ).eval()
+    norms = dict.fromkeys(("norm_before_residual", "qk_norm", "fc_norm", "norm_output"), flags)
+    draft = Eagle3Draft(small_config(**norms)).eval()
     b, t = 2, 7
     aux = torch.randn(b, t, 3 * 48)
     ids = torch.randint(0, 256, (b, t))
@@ -62,8 +61,7 @@ def test_decode_chain_equals_causal_forward(norm_before_residual, qk_norm):
         cos, sin = draft.rope(positions, hidden.dtype)
         q, k, v, res = draft.midlayer.qkv(draft.embed_tokens(ids), hidden, cos, sin)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        expected_h = draft.midlayer.finish(out, res)
-        expected = draft.logits(expected_h)
+        expected, expected_h = draft.head(draft.midlayer.finish(out, res))
 
     cache = DraftKVCache.allocate(draft.config, b, 16, torch.float32, "cpu")
     causal = torch.ones(t, t, dtype=torch.bool).tril()
@@ -81,6 +79,32 @@ def test_decode_chain_equals_causal_forward(norm_before_residual, qk_norm):
         states.append(h)
     torch.testing.assert_close(torch.cat(chunks, 1), expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(torch.cat(states, 1), expected_h, atol=1e-5, rtol=1e-5)
+
+
+def test_fc_norm_normalises_each_aux_state_on_its_own():
+    torch.manual_seed(0)
+    draft = Eagle3Draft(small_config(fc_norm=True))
+    assert [k for k in draft.state_dict() if k.startswith("fc_norm")] == [
+        "fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight"
+    ]  # fmt: skip
+    aux = torch.randn(2, 5, 3 * 48)
+    scaled = aux.clone()
+    scaled[..., :48] *= 0.1  # a low layer's small states (well above eps)
+    scaled[..., 48:96] *= 1e3  # a massive activation
+    torch.testing.assert_close(draft.fuse_aux(scaled), draft.fuse_aux(aux), atol=1e-4, rtol=1e-4)
+    plain = Eagle3Draft(small_config())
+    plain.load_state_dict({k: v for k, v in draft.state_dict().items() if "fc_norm" not in k})
+    assert not torch.allclose(plain.fuse_aux(scaled), plain.fuse_aux(aux), atol=1e-2)
+
+
+def test_norm_output_carries_the_normed_state():
+    torch.manual_seed(0)
+    h = torch.randn(2, 5, 64) * 30
+    for norm_output in (False, True):
+        draft = Eagle3Draft(small_config(norm_output=norm_output))
+        logits, carried = draft.head(h)
+        torch.testing.assert_close(logits, draft.lm_head(draft.norm(h)))
+        torch.testing.assert_close(carried, draft.norm(h) if norm_output else h)
 
 
 def test_state_dict_keys_are_the_eagle_layout():

@@ -47,9 +47,10 @@ def test_ttt_attention_matches_dense_mask(chunk, j):
         torch.testing.assert_close(a, b_, atol=1e-5, rtol=1e-5)
 
 
-def tiny_draft(vocab=64, draft_vocab=32, seed=0) -> Eagle3Draft:
+def tiny_draft(vocab=64, draft_vocab=32, seed=0, **flags) -> Eagle3Draft:
     torch.manual_seed(seed)
     config = tiny_draft_config(
+        **flags,
         hidden_size=32,
         intermediate_size=64,
         head_dim=8,
@@ -71,7 +72,11 @@ def tiny_draft(vocab=64, draft_vocab=32, seed=0) -> Eagle3Draft:
 def dense_unroll(draft, input_ids, aux, loss_mask, probs, argmax, steps, decay):
     """Step-by-step reference: explicit shifted copies and a dense mask."""
     b, t = input_ids.shape
-    hidden = draft.fuse_aux(aux)
+    c = draft.config
+    if c.fc_norm:  # EAGLE-3.1: each aux state through its own norm before fc
+        chunks = aux.split(c.target_hidden_size, dim=-1)
+        aux = torch.cat([n(x) for n, x in zip(draft.fc_norm, chunks, strict=True)], dim=-1)
+    hidden = draft.fc(aux)
     ks, vs, loss = [], [], 0.0
     for j in range(steps):
         ids = torch.zeros_like(input_ids)
@@ -80,8 +85,9 @@ def dense_unroll(draft, input_ids, aux, loss_mask, probs, argmax, steps, decay):
         q, k, v, res = draft.midlayer.qkv(draft.embed_tokens(ids), hidden, cos, sin)
         ks.append(k)
         vs.append(v)
-        hidden = draft.midlayer.finish(dense_attention(q, ks[0], vs[0], ks[1:], vs[1:]), res)
-        logp = torch.log_softmax(draft.logits(hidden), -1)
+        out = draft.midlayer.finish(dense_attention(q, ks[0], vs[0], ks[1:], vs[1:]), res)
+        logp = torch.log_softmax(draft.lm_head(draft.norm(out)), -1)
+        hidden = draft.norm(out) if c.norm_output else out  # EAGLE-3.1 carries the normed one
         terms = []
         for bi in range(b):
             for pos in range(t):
@@ -111,8 +117,13 @@ def batch(draft, b=2, t=12, seed=1):
     return input_ids, aux, loss_mask, probs, argmax
 
 
-def test_unroll_matches_dense_reference():
-    draft = tiny_draft()
+@pytest.mark.parametrize("eagle31", [False, True], ids=["eagle3", "eagle3.1"])
+def test_unroll_matches_dense_reference(eagle31):
+    draft = tiny_draft(fc_norm=eagle31, norm_output=eagle31)
+    if eagle31:  # norm weights away from 1, so that a missing or misplaced norm shows
+        with torch.no_grad():
+            for p in [*draft.fc_norm.parameters(), draft.norm.weight]:
+                p.uniform_(0.5, 2.0)
     inputs = batch(draft)
     model = TTTModel(draft, steps=4, decay=0.8, chunk=5)
     loss, stats = model(*inputs)
@@ -193,14 +204,14 @@ def test_perfect_teacher_gives_full_acceptance():
         model = TTTModel(draft, steps=3)
         # teacher = the draft's own argmax at each step: run once to read them
         logits = []
-        orig = draft.logits
+        orig = draft.head
 
         def spy(h):
             out = orig(h)
-            logits.append(out)
+            logits.append(out[0])
             return out
 
-        draft.logits = spy
+        draft.head = spy
         uniform = torch.full((*input_ids.shape, 32), 1 / 32)
         model(input_ids, aux, loss_mask, uniform, torch.zeros_like(input_ids))
     # step 0's argmax at position t is the teacher at t+1

@@ -32,6 +32,8 @@ class DraftConfig:
     rope_scaling: dict[str, Any] | None = None
     max_position_embeddings: int = 2048
     norm_before_residual: bool = False
+    fc_norm: bool = False  # EAGLE-3.1: an RMSNorm on each aux state before `fc`
+    norm_output: bool = False  # EAGLE-3.1: the next step gets the output after `norm`
     qk_norm: bool = False  # Qwen3-style per-head q/k RMSNorm
     hidden_act: str = "silu"
     extra: dict[str, Any] = field(default_factory=dict)  # fields we carry but do not use

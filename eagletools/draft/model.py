@@ -130,6 +130,11 @@ class Eagle3Draft(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, h)
         self.embed_tokens.weight.requires_grad_(False)  # the target's, frozen
         self.fc = nn.Linear(config.num_aux_states * config.target_hidden_size, h, bias=False)
+        if config.fc_norm:
+            self.fc_norm = nn.ModuleList(
+                RMSNorm(config.target_hidden_size, config.rms_norm_eps)
+                for _ in range(config.num_aux_states)
+            )
         self.midlayer = Eagle3Layer(config)
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
@@ -207,7 +212,15 @@ class Eagle3Draft(nn.Module):
         return draft
 
     def fuse_aux(self, aux: torch.Tensor) -> torch.Tensor:
-        """The target's concatenated aux states [.., A*Ht] -> draft hidden [.., H]."""
+        """The target's concatenated aux states [.., A*Ht] -> draft hidden [.., H].
+
+        With `fc_norm` each state is normalised on its own first: a target's
+        layers differ in scale (SmolLM2: RMS 3 at layer 2, 64 at layer 15,
+        single values up to 25k), which a shared `fc` would otherwise inherit.
+        """
+        if self.config.fc_norm:
+            parts = aux.split(self.config.target_hidden_size, dim=-1)
+            aux = torch.cat([norm(x) for norm, x in zip(self.fc_norm, parts, strict=True)], -1)
         return self.fc(aux)
 
     def rope(
@@ -215,9 +228,15 @@ class Eagle3Draft(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rotary(positions, dtype)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Pre-norm hidden [.., H] -> draft-vocab logits [.., Vd]."""
-        return self.lm_head(self.norm(hidden))
+    def head(self, layer_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's output [.., H] -> (draft-vocab logits [.., Vd], the hidden
+        the next step takes [.., H]).
+
+        EAGLE-3 carries the output on before `norm`; EAGLE-3.1 (`norm_output`)
+        carries the normed one, so later steps see inputs of one scale.
+        """
+        normed = self.norm(layer_out)
+        return self.lm_head(normed), normed if self.config.norm_output else layer_out
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
@@ -234,11 +253,11 @@ class Eagle3Draft(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft forward over n new tokens for decoding.
 
-        hidden [B,n,H] (`fuse_aux` output or the previous step's pre-norm
+        hidden [B,n,H] (`fuse_aux` output or the previous step's `head`
         output), input_ids [B,n], positions [n] or [B,n]. K/V are written at
         cache `slots` [n]; the queries attend over cache slots
         `[0, mask.shape[-1])` where `mask` [n, L] (or [B,1,n,L]) is True.
-        Returns (draft logits [B,n,Vd], pre-norm hidden [B,n,H]).
+        Returns (draft logits [B,n,Vd], the hidden the next step takes [B,n,H]).
         """
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)
         cos, sin = self.rope(positions, hidden.dtype)
@@ -253,5 +272,4 @@ class Eagle3Draft(nn.Module):
             attn_mask=mask,
             enable_gqa=True,
         )
-        h = self.midlayer.finish(out, residual)
-        return self.logits(h), h
+        return self.head(self.midlayer.finish(out, residual))

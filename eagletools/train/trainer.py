@@ -212,6 +212,8 @@ class Trainer:
             aux_layer_ids=inputs.aux_layer_ids,
             init_head_from_target=d.init_head_from_target,
             norm_before_residual=d.norm_before_residual,
+            fc_norm=d.fc_norm,
+            norm_output=d.norm_output,
             intermediate_size=d.intermediate_size or inputs.head_model.config.intermediate_size,
         )
         model = TTTModel(draft, t.ttt_steps, t.ttt_decay, t.attn_chunk)
