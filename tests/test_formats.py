@@ -188,11 +188,13 @@ ROUND_TRIP_CONFIGS = [
          rope_scaling=LLAMA3_ROPE, max_position_embeddings=131072, rms_norm_eps=1e-5),
     dict(aux_layer_ids=[2, 2, 1], qk_norm=True, target_hidden_size=48, draft_vocab_size=256),
     dict(aux_layer_ids=None, rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    dict(aux_layer_ids=[1, 2, 3], fc_norm=True, norm_output=True),
 ]  # fmt: skip
+ROUND_TRIP_IDS = ["llama3-rope", "qwen3", "no-aux", "eagle3.1"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("overrides", ROUND_TRIP_CONFIGS, ids=["llama3-rope", "qwen3", "no-aux"])
+@pytest.mark.parametrize("overrides", ROUND_TRIP_CONFIGS, ids=ROUND_TRIP_IDS)
 def test_round_trip_eagle_speculators_eagle(tmp_path, dtype, overrides):
     src = make_ckpt(dtype, **overrides)
     save_checkpoint(src, tmp_path / "e1", "eagle", with_embeddings=True)
@@ -212,7 +214,7 @@ def test_round_trip_eagle_speculators_eagle(tmp_path, dtype, overrides):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("overrides", ROUND_TRIP_CONFIGS, ids=["llama3-rope", "qwen3", "no-aux"])
+@pytest.mark.parametrize("overrides", ROUND_TRIP_CONFIGS, ids=ROUND_TRIP_IDS)
 def test_round_trip_speculators_eagle_speculators(tmp_path, dtype, overrides):
     save_checkpoint(make_ckpt(dtype, **overrides), tmp_path / "s1", "speculators", verifier="v",
                     with_embeddings=True)  # fmt: skip
@@ -274,6 +276,30 @@ def test_speculators_config_has_what_vllm_and_speculators_read(tmp_path):
     assert "layers.0.self_attn.q_proj.weight" in keys
     assert not any(k.startswith("midlayer.") for k in keys)
     assert "embed_tokens.weight" not in keys  # only with --with-embeddings
+
+
+def test_eagle31_fields_and_keys_are_what_the_engines_read(tmp_path):
+    """SpecForge/SGLang/vLLM (eagle) and speculators >= 0.7 both read top-level
+    `fc_norm` / `norm_output` and bare `fc_norm.{i}.weight` keys (engines add `model.`)."""
+    from safetensors import safe_open
+
+    ckpt = make_ckpt(aux_layer_ids=[1, 2, 3], fc_norm=True, norm_output=True)
+    for fmt in ("eagle", "speculators"):
+        save_checkpoint(ckpt, tmp_path / fmt, fmt, verifier="v")
+        cfg = json.loads((tmp_path / fmt / "config.json").read_text())
+        assert cfg["fc_norm"] is True and cfg["norm_output"] is True
+        with safe_open(str(tmp_path / fmt / "model.safetensors"), "pt") as f:
+            keys = set(f.keys())
+        norms = sorted(k for k in keys if "fc_norm" in k)
+        assert norms == ["fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight"]
+    save_checkpoint(make_ckpt(), tmp_path / "p", "eagle")
+    plain = json.loads((tmp_path / "p/config.json").read_text())
+    assert plain["fc_norm"] is False and plain["norm_output"] is False
+    # a config that leaves out fc_norm while its file holds the norms is refused, naming them
+    cfg = json.loads((tmp_path / "eagle/config.json").read_text())
+    (tmp_path / "eagle/config.json").write_text(json.dumps({**cfg, "fc_norm": False}))
+    with pytest.raises(UserError, match="unexpected tensor.*fc_norm.0.weight"):
+        load_checkpoint(tmp_path / "eagle")
 
 
 def test_speculators_without_norm_before_residual_follows_vllm(tmp_path, caplog):
@@ -339,7 +365,7 @@ def test_load_draft_runs_the_checkpoint(tmp_path):
     for k, v in draft.state_dict().items():
         assert torch.equal(v, ckpt.tensors[k]), k
     hidden = draft.fuse_aux(torch.randn(1, 3, 3 * 64))
-    assert draft.logits(hidden).shape == (1, 3, 100)
+    assert draft.head(hidden)[0].shape == (1, 3, 100)
 
 
 def test_safeailab_release_reads_with_llama_defaults(tmp_path):

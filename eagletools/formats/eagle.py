@@ -5,6 +5,9 @@ plus `draft_vocab_size`; tensors are `midlayer.*`, `fc`, `norm`, `lm_head`,
 `d2t`, `t2d` (the `Eagle3Draft` keys as they are). Aux layer ids, when
 present, sit in `eagle_config.eagle_aux_hidden_state_layer_ids` as decoder-
 layer OUTPUT indices (SGLang adds 1), i.e. Hugging Face index - 1.
+EAGLE-3.1 drafts set top-level `fc_norm` (tensors `fc_norm.{i}.weight`, one
+per aux state) and `norm_output`, as SpecForge, SGLang, vLLM and TensorRT-LLM
+read them; the SafeAILab code has neither.
 """
 
 from __future__ import annotations
@@ -67,6 +70,8 @@ def read(folder: Path, allow_pickle: bool = False) -> tuple[DraftConfig, dict[st
         target_hidden_size=cfg.get("target_hidden_size") or fields["hidden_size"],
         aux_layer_ids=to_hf_ids(ids) if ids else None,
         norm_before_residual=bool(cfg.get("norm_before_residual", False)),
+        fc_norm=bool(cfg.get("fc_norm", False)),
+        norm_output=bool(cfg.get("norm_output", False)),
         qk_norm="midlayer.self_attn.q_norm.weight" in tensors,
     )
     fields["num_aux_states"] = hfconfig.aux_count(ids, cfg.get("num_aux_hidden_states"))
@@ -82,6 +87,8 @@ def config_dict(c: DraftConfig, dtype: str | None) -> dict[str, Any]:
         "target_hidden_size": c.target_hidden_size,
         "num_aux_hidden_states": c.num_aux_states,
         "norm_before_residual": c.norm_before_residual,
+        "fc_norm": c.fc_norm,
+        "norm_output": c.norm_output,
         "torch_dtype": dtype,
     }
     if c.aux_layer_ids is not None:

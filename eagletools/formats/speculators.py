@@ -12,6 +12,9 @@ Face indexing. Facts pinned from speculators 0.9.0 and vLLM (tests/test_formats.
 - with draft vocab == target vocab it has no `d2t`/`t2d` buffers: not written.
 - `speculators_config.verifier.name_or_path` null: speculators cannot load it
   (it asks the hub for the config of None); vLLM does not need it.
+- EAGLE-3.1 (speculators >= 0.7): top-level `fc_norm` (tensors `fc_norm.{i}.weight`)
+  and `norm_output` are read and written; `norm_before_fc` (one norm over
+  the concatenation, the package's training default) is refused.
 - without `embed_tokens.weight` in the file, speculators 0.9.0 (transformers 5)
   keeps uninitialised memory: its NaN sentinel for "copy the verifier's" is
   lost in meta-device loading (seen in tests/interop), so write them for it.
@@ -38,7 +41,7 @@ ARCHITECTURE = "Eagle3DraftModel"  # what speculators 0.9.0 save_pretrained writ
 SPECULATORS_VERSION = "0.9.0"
 LAYER_PREFIX = ("midlayer.", "layers.0.")
 LAYER_TYPES = {"llama": False, "qwen3": True}  # transformer_layer_config.model_type -> qk_norm
-UNSUPPORTED_FLAGS = ("norm_before_fc", "fc_norm", "norm_output")
+UNSUPPORTED_FLAGS = ("norm_before_fc",)  # one norm over all aux states: not our draft's
 IGNORED_PREFIXES = ("verifier_",)  # verifier copies some versions keep; never the draft's own
 
 
@@ -67,7 +70,10 @@ def read(folder: Path, allow_pickle: bool = False) -> tuple[DraftConfig, dict[st
         )
     for flag in UNSUPPORTED_FLAGS:
         if cfg.get(flag):
-            raise UserError(f"{source}: field {flag!r} is true; eagletools' draft has no such norm")
+            raise UserError(
+                f"{source}: field {flag!r} is true (one norm over the concatenated aux states); "
+                "eagletools' drafts use 'fc_norm' (one norm per aux state) instead"
+            )
     layer = cfg.get("transformer_layer_config")
     if not isinstance(layer, dict):
         raise UserError(f"{source}: missing field 'transformer_layer_config' (the decoder layer)")
@@ -95,6 +101,8 @@ def read(folder: Path, allow_pickle: bool = False) -> tuple[DraftConfig, dict[st
         target_hidden_size=cfg.get("target_hidden_size") or fields["hidden_size"],
         aux_layer_ids=list(ids) if ids else None,
         norm_before_residual=bool(cfg.get("norm_before_residual", True)),
+        fc_norm=bool(cfg.get("fc_norm", False)),
+        norm_output=bool(cfg.get("norm_output", False)),
         qk_norm=LAYER_TYPES[layer_type],
     )
     fields["num_aux_states"] = hfconfig.aux_count(ids)
@@ -126,8 +134,8 @@ def config_dict(
         "target_hidden_size": c.target_hidden_size,
         "eagle_aux_hidden_state_layer_ids": c.aux_layer_ids,
         "norm_before_fc": False,
-        "fc_norm": False,
-        "norm_output": False,
+        "fc_norm": c.fc_norm,
+        "norm_output": c.norm_output,
         "embed_requires_grad": False,
         "tie_word_embeddings": False,
         "dtype": dtype,

@@ -1,6 +1,7 @@
 """Interop step 2 (speculators venv): load each converted checkpoint with the real client,
-`speculators.models.eagle3.Eagle3DraftModel.from_pretrained`, run step 0 on the inputs of
-make_case.py, and compare draft-vocab logits with ours (fp32, must agree to 1e-5).
+`speculators.models.eagle3.Eagle3DraftModel.from_pretrained`, run step 0 (and two
+training-time-test steps) on the inputs of make_case.py, and compare draft-vocab logits
+with ours (fp32, must agree to 1e-5).
 """
 
 from __future__ import annotations
@@ -20,8 +21,15 @@ from speculators.models.eagle3 import Eagle3DraftModel  # noqa: E402
 TOLERANCE = 1e-5
 
 
-def their_logits(folder: Path, case: dict) -> torch.Tensor:
-    model = Eagle3DraftModel.from_pretrained(str(folder), dtype=torch.float32).eval()
+def their_logits(folder: Path, case: dict, ttt_steps: int = 1) -> torch.Tensor:
+    kwargs = {}
+    if ttt_steps > 1:  # its flex-attention masks need 128-token blocks: dense masks instead
+        from speculators.models.eagle3 import Eagle3SpeculatorConfig
+
+        config = Eagle3SpeculatorConfig.from_pretrained(str(folder))
+        config.transformer_layer_config._attn_implementation = "eager"
+        kwargs["config"] = config
+    model = Eagle3DraftModel.from_pretrained(str(folder), dtype=torch.float32, **kwargs).eval()
     captured = []
     model.lm_head.register_forward_hook(lambda mod, args, out: captured.append(out))
     assert torch.equal(model.d2t, case["d2t"]) and torch.equal(model.t2d, case["t2d"]), "d2t/t2d"
@@ -32,9 +40,9 @@ def their_logits(folder: Path, case: dict) -> torch.Tensor:
             input_ids=ids,
             document_ids=torch.zeros_like(ids),
             position_ids=case["positions"].unsqueeze(0),
-            ttt_steps=1,
+            ttt_steps=ttt_steps,
         )
-    return captured[0]
+    return torch.stack(captured) if ttt_steps > 1 else captured[0]
 
 
 def check_pinned_facts() -> None:
@@ -76,6 +84,11 @@ def main(root: Path) -> int:
         diff = (theirs - case["logits"]).abs().max().item()
         worst = max(worst, diff)
         print(f"{case_dir.name}: logits {tuple(theirs.shape)}, max abs diff {diff:.3g}")
+        # two training-time-test steps: step 1 takes step 0's hidden (normed with norm_output)
+        steps = case["ttt_logits"]
+        ttt_diff = (their_logits(case_dir / "draft", case, len(steps)) - steps).abs().max().item()
+        worst = max(worst, ttt_diff)
+        print(f"{case_dir.name}: {len(steps)} TTT steps, max abs diff {ttt_diff:.3g}")
         # without a verifier folder the package cannot load it at all, even with the
         # embeddings shipped: load_verifier_weights asks the hub for a config of None
         unbound = root / f"{case_dir.name}-no-verifier"

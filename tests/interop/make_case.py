@@ -38,6 +38,8 @@ CASES = {
     ),
     # Qwen3-style q/k norms travel as transformer_layer_config.model_type "qwen3"
     "qwen3": dict(target=dict(model_type="qwen3", head_dim=16), draft=dict(qk_norm=True)),
+    # EAGLE-3.1: per-aux-state norms before fc (step 0 sees them; norm_output acts from step 1)
+    "eagle3.1": dict(target=dict(model_type="llama"), draft=dict(fc_norm=True, norm_output=True)),
 }  # fmt: skip
 
 
@@ -62,6 +64,26 @@ def our_logits(draft: Eagle3Draft, aux, input_ids, positions) -> torch.Tensor:
         draft.fuse_aux(aux), input_ids, positions, cache, torch.arange(t), causal
     )
     return logits
+
+
+def our_ttt_logits(draft: Eagle3Draft, aux, input_ids, steps: int = 2) -> torch.Tensor:
+    """The first `steps` training-time-test steps (teacher-forced ids, each step's hidden
+    carried to the next: where `norm_output` acts), their draft-vocab logits [steps,B,T,Vd]."""
+    from eagletools.train.ttt import TTTModel
+
+    captured = []
+    head = draft.head
+    draft.head = lambda out: captured.append(head(out)) or captured[-1]
+    # TTT feeds step 0 the ids shifted by one against the aux states: prepend a dummy id
+    # and append a dummy aux row, which causal attention keeps from the real positions
+    b, t = input_ids.shape
+    ids = torch.cat([input_ids.new_zeros(b, 1), input_ids], dim=1)
+    aux = torch.cat([aux, aux.new_zeros(b, 1, aux.shape[-1])], dim=1)
+    vd = draft.config.draft_vocab_size
+    uniform = torch.full((b, t + 1, vd), 1 / vd)
+    TTTModel(draft, steps=steps)(ids, aux, torch.ones_like(ids), uniform, torch.zeros_like(ids))
+    del draft.head
+    return torch.stack([logits[:, :t] for logits, _ in captured])
 
 
 def make_case(out: Path, name: str) -> None:
@@ -91,7 +113,10 @@ def make_case(out: Path, name: str) -> None:
     positions = torch.arange(12) + 100
     with torch.no_grad():
         logits = our_logits(ours, aux, input_ids, positions)
-    case = {"aux": aux, "input_ids": input_ids, "positions": positions, "logits": logits}
+        ttt_logits = our_ttt_logits(ours, aux, input_ids)
+    torch.testing.assert_close(ttt_logits[0], logits, atol=1e-5, rtol=1e-5)  # RoPE is relative
+    case = {"aux": aux, "input_ids": input_ids, "positions": positions, "logits": logits,
+            "ttt_logits": ttt_logits}  # fmt: skip
     save_file({**case, "d2t": ours.d2t, "t2d": ours.t2d},
               str(out / "case.safetensors"))  # fmt: skip
     print(f"{name}: wrote {out}")
