@@ -183,6 +183,7 @@ class Trainer:
             raise UserError(f"{config.data.train}: the dataset is empty after filtering")
         train_idx, eval_idx = split_indices(len(src), config.data.eval_samples, t.seed)
         self.train_idx, skipped = trainable(src, train_idx)
+        self._plan: tuple[int, list[list[int]]] | None = None  # (epoch, its global batches)
         self.eval_idx, skipped_eval = trainable(src, eval_idx)
         self.skipped_masked = skipped + skipped_eval
         if self.skipped_masked:
@@ -314,6 +315,15 @@ class Trainer:
             norm,
         )
 
+    def _epoch_plan(self, epoch: int) -> list[list[int]]:
+        """The epoch's global batches, planned once per epoch rather than per step."""
+        if self._plan is None or self._plan[0] != epoch:
+            t = self.config.training
+            lengths = [self.inputs.source.length(i) for i in self.train_idx]
+            plan = plan_epoch(lengths, self.global_batch, t.seed, epoch, t.bucket_size)
+            self._plan = (epoch, plan)
+        return self._plan[1]
+
     def _micro_batches(self) -> list[Any]:
         """This rank's share of the next `grad_accum` global batches (advancing epochs)."""
         t = self.config.training
@@ -321,8 +331,7 @@ class Trainer:
         if self.state["batch"] >= per_epoch * t.grad_accum:
             self.state["epoch"] += 1
             self.state["batch"] = 0
-        lengths = [self.inputs.source.length(i) for i in self.train_idx]
-        plan = plan_epoch(lengths, self.global_batch, t.seed, self.state["epoch"], t.bucket_size)
+        plan = self._epoch_plan(self.state["epoch"])
         start, rank = self.state["batch"], self.acc.process_index
         out = []
         for global_batch in plan[start : start + t.grad_accum]:
