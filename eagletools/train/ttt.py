@@ -60,7 +60,8 @@ def ttt_attention(
     dk = torch.stack(diag_k, dim=3) if diag_k else None  # [B,kv,T,j,hd]
     dv = torch.stack(diag_v, dim=3) if diag_v else None
     outs = []
-    for start in range(0, t, chunk):
+    # one chunk needs no loop over t, which would fix a compiled graph to one length
+    for start in [0] if t <= chunk else range(0, t, chunk):
         end = min(start + chunk, t)
         args = (
             qg[..., start:end, :],
