@@ -151,6 +151,7 @@ class Trainer:
     ):
         from accelerate import Accelerator
         from accelerate.state import AcceleratorState
+        from accelerate.utils import TorchDynamoPlugin
 
         from eagletools.draft import Eagle3Draft
 
@@ -167,6 +168,10 @@ class Trainer:
             # without a GPU, processes started by `accelerate launch` train on CPU over gloo
             cpu=not torch.cuda.is_available(),
             mixed_precision="bf16" if t.precision == "bf16" else "no",
+            # one graph over all sequence lengths (held-out evaluation stays eager)
+            dynamo_plugin=TorchDynamoPlugin(backend="inductor", dynamic=True)
+            if t.compile
+            else None,
             log_with=tracker,
             project_dir=str(self.out),
         )
@@ -232,7 +237,7 @@ class Trainer:
             t.warmup_steps if t.warmup_steps is not None else round(t.warmup_ratio * self.total)
         )
         self.model, self.optimizer = self.acc.prepare(model, optimizer)
-        self.draft = self.acc.unwrap_model(self.model).draft
+        self.draft = self.acc.unwrap_model(self.model, keep_torch_compile=False).draft
         self.lm_head = inputs.lm_head_weight.to(self.acc.device)
         self.d2t = self.draft.d2t
         # offline the hidden states repeat every epoch, so their argmax does too
@@ -419,7 +424,7 @@ class Trainer:
         chunks = [order[i : i + t.batch_size] for i in range(0, len(order), t.batch_size)]
         total = StepStats(*(torch.zeros(t.eval_ttt_steps, device=self.acc.device)
                             for _ in range(3)))  # fmt: skip
-        model = self.acc.unwrap_model(self.model)
+        model = self.acc.unwrap_model(self.model, keep_torch_compile=False)
         rank, world = self.acc.process_index, self.acc.num_processes
         for chunk in chunks[rank::world]:
             batch = src.batch(chunk)
