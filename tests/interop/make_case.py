@@ -72,8 +72,7 @@ def our_ttt_logits(draft: Eagle3Draft, aux, input_ids, steps: int = 2) -> torch.
     from eagletools.train.ttt import TTTModel
 
     captured = []
-    head = draft.head
-    draft.head = lambda out: captured.append(head(out)) or captured[-1]
+    hook = draft.lm_head.register_forward_hook(lambda mod, args, out: captured.append(out))
     # TTT feeds step 0 the ids shifted by one against the aux states: prepend a dummy id
     # and append a dummy aux row, which causal attention keeps from the real positions
     b, t = input_ids.shape
@@ -82,8 +81,8 @@ def our_ttt_logits(draft: Eagle3Draft, aux, input_ids, steps: int = 2) -> torch.
     vd = draft.config.draft_vocab_size
     uniform = torch.full((b, t + 1, vd), 1 / vd)
     TTTModel(draft, steps=steps)(ids, aux, torch.ones_like(ids), uniform, torch.zeros_like(ids))
-    del draft.head
-    return torch.stack([logits[:, :t] for logits, _ in captured])
+    hook.remove()
+    return torch.stack([logits[:, :t] for logits in captured])
 
 
 def make_case(out: Path, name: str) -> None:
