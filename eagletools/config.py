@@ -18,13 +18,14 @@ from typing import Any
 
 import yaml
 
+from eagletools.dtypes import dtype_name
 from eagletools.errors import UserError
 
 
 @dataclass
 class TargetSection:
     spec: str = "smollm2-135m"  # built-in name, HF folder, hub id or .gguf file
-    dtype: str = "bfloat16"
+    dtype: str = "bfloat16"  # any spelling: bf16, bfloat16, fp32, ...
     aux_layer_ids: list[int] | None = None  # HF indexing; None: [2, N//2, N-3]
 
 
@@ -92,7 +93,7 @@ class TrainingSection:
     max_steps: int | None = None  # optimizer steps; overrides num_epochs
     max_minutes: float | None = None  # stop after this much training time; the cosine
     # schedule then follows the larger of the step and the time progress
-    precision: str = "bf16"  # bf16 (autocast) | fp32
+    precision: str = "bf16"  # bf16 (autocast) | fp32 (either spelling: bfloat16, float32)
     seed: int = 0
     bucket_size: int = 64  # batches are drawn from length-sorted buckets of this many batches
     eval_every: int = 200  # optimizer steps; 0: only at the end
@@ -137,7 +138,12 @@ class TrainConfig:
     eval: EvalSection = field(default_factory=EvalSection)
 
     def validate(self, source: str = "recipe") -> None:
+        """Check every field; dtype fields take any spelling and keep their readers' one:
+        torch's name in target.dtype, accelerate's in training.precision."""
         t = self.training
+        self.target.dtype = dtype_name(self.target.dtype, f"{source}: target.dtype")
+        precision = dtype_name(t.precision, f"{source}: training.precision")
+        t.precision = {"bfloat16": "bf16", "float32": "fp32"}.get(precision, precision)
         checks = [
             (t.ttt_steps >= 1, "training.ttt_steps", "must be at least 1"),
             (t.eval_ttt_steps >= 1, "training.eval_ttt_steps", "must be at least 1"),

@@ -28,3 +28,25 @@ def test_unknown_dtype_names_where_and_lists_known():
     message = str(err.value)
     assert message.startswith("--dtype: unknown dtype 'bf17'")
     assert all(spelling in message for spelling in SPELLINGS)
+
+
+def test_recipe_dtype_fields_take_both_spellings():
+    from eagletools.config import load_config
+
+    # target.dtype=bf16 used to reach getattr(torch, "bf16") in the trainer: a traceback
+    config = load_config(overrides=["target.dtype=bf16", "training.precision=bfloat16"])
+    assert config.target.dtype == "bfloat16" and parse_dtype(config.target.dtype) is torch.bfloat16
+    assert config.training.precision == "bf16"  # accelerate's spelling, for mixed_precision
+    assert load_config(overrides=["training.precision=float32"]).training.precision == "fp32"
+
+
+def test_recipe_unknown_dtype_names_file_and_field(tmp_path):
+    from eagletools.config import load_config
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("target:\n  dtype: brainfloat\n")
+    with pytest.raises(UserError, match=rf"{recipe}: target.dtype: unknown dtype 'brainfloat'; "
+                       r"known: bf16, bfloat16"):  # fmt: skip
+        load_config(recipe)
+    with pytest.raises(UserError, match="training.precision must be bf16 or fp32"):
+        load_config(overrides=["training.precision=fp16"])
