@@ -30,7 +30,7 @@ lint: setup
 	$(VENV)/bin/ruff check eagletools tests benchmarks
 
 # The real vLLM-side client: speculators 0.9.0 in its own venv (its declared
-# dependencies pull CUDA wheels; design notes 3.4), loading what we convert.
+# dependencies pull CUDA wheels; docs/design.md 3.4), loading what we convert.
 SPEC_VENV ?= .venv-speculators
 
 $(SPEC_VENV)/.installed:

@@ -1,4 +1,4 @@
-"""The draft vocabulary: which target ids the draft's lm_head predicts (design notes 3.2).
+"""The draft vocabulary: which target ids the draft's lm_head predicts (docs/design.md 3.2).
 
 `d2t[i]` is an offset: draft id i is target id `i + d2t[i]`; `t2d` marks the
 selected target ids. Selection counts assistant tokens only, takes the top
@@ -73,7 +73,7 @@ class DraftVocab:
         return vocab
 
     def checks(self) -> list[tuple[str, bool, str]]:
-        """Every invariant of design notes 3.2 as (name, holds, detail)."""
+        """Every invariant of docs/design.md 3.2 as (name, holds, detail)."""
         d2t, t2d = self.d2t.cpu(), self.t2d.cpu()
         vd, v = d2t.numel(), t2d.numel()
         out = [

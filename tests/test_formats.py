@@ -87,7 +87,7 @@ def save_raw(folder: Path, config: dict, tensors: dict, pickle: bool = False) ->
 
 
 def eagle_release_tensors(dtype: torch.dtype, with_embed: bool, seed: int = 0) -> dict:
-    """The documented `eagle` key set (design notes 3.4), shapes written out by hand."""
+    """The documented `eagle` key set (docs/design.md 3.4), shapes written out by hand."""
     g = torch.Generator().manual_seed(seed)
     h, i, v, vd, hd, nh, nkv = 64, 128, 256, 100, 16, 4, 2
 

@@ -1,4 +1,4 @@
-"""Targets: loading by every kind of spec, and aux hidden-state capture (design notes 3.1)."""
+"""Targets: loading by every kind of spec, and aux hidden-state capture (docs/design.md 3.1)."""
 
 from __future__ import annotations
 

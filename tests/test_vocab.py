@@ -1,4 +1,4 @@
-"""Draft vocabulary (design notes 3.2): selection, invariants, files, CLI, recount."""
+"""Draft vocabulary (docs/design.md 3.2): selection, invariants, files, CLI, recount."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from eagletools.vocab import DraftVocab, build_vocab, select_top
 
 
 def recount(rows, vocab_size: int, size: int) -> tuple[list[int], float]:
-    """The rule of design notes 3.2 written the plain way: (selected ids, coverage)."""
+    """The rule of docs/design.md 3.2 written the plain way: (selected ids, coverage)."""
     counts = Counter()
     for row in rows:
         counts.update(t for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if m)

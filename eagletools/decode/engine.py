@@ -7,7 +7,7 @@ like for like. Batch size 1.
 Cache bookkeeping: `seq` holds every token of the conversation so far; the
 target's KV cache holds the first `target_len` of them at slots `0..`, the
 draft's cache holds entries `0..draft_len-1`, entry p made from the target's
-aux states at p and the token p+1 (design notes 3.5 alignment).
+aux states at p and the token p+1 (docs/design.md 3.5 alignment).
 """
 
 from __future__ import annotations
@@ -264,7 +264,7 @@ class BaselineDecoder:
 
 
 class SpeculativeDecoder(BaselineDecoder):
-    """EAGLE-3 tree speculative decoding (design notes 3.6), lossless."""
+    """EAGLE-3 tree speculative decoding (docs/design.md 3.6), lossless."""
 
     def __init__(
         self,

@@ -1,4 +1,4 @@
-"""EAGLE-2 dynamic draft tree (design notes 3.6).
+"""EAGLE-2 dynamic draft tree (docs/design.md 3.6).
 
 The tree grows by beam: each draft step expands the `topk` best frontier
 nodes into `topk` children each; the `num_draft_tokens - 1` best nodes by

@@ -11,7 +11,7 @@ from eagletools.errors import UserError
 
 @dataclass
 class DraftConfig:
-    """Sizes of an EAGLE-3 head (design notes 3.3).
+    """Sizes of an EAGLE-3 head (docs/design.md 3.3).
 
     `aux_layer_ids` use Hugging Face `output_hidden_states` indexing (index k is
     the output of decoder layer k-1); formats convert on read and write.

@@ -1,4 +1,4 @@
-"""The EAGLE-3 draft head (design notes 3.3), in one file.
+"""The EAGLE-3 draft head (docs/design.md 3.3), in one file.
 
 One Llama-style decoder layer whose attention input is the concatenation of
 the normed token embedding and the normed hidden state (2H wide). The layer's

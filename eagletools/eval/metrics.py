@@ -1,4 +1,4 @@
-"""Figures of a run (design notes 3.6): tau, per-position acceptance, speedups.
+"""Figures of a run (docs/design.md 3.6): tau, per-position acceptance, speedups.
 
 Speedups come two ways: the mean of per-prompt tokens/s ratios (what EAGLE
 reports) and total tokens over total time (what a user waiting on the whole

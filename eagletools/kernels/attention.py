@@ -1,5 +1,5 @@
 """Tree attention for verification: N tree nodes attend over the cached prefix
-and their own ancestors (design notes 3.6)."""
+and their own ancestors (docs/design.md 3.6)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Draft top-k over the draft vocabulary, then the `d2t` offset to target ids
-(design notes 3.6: map after the top-k, never scatter into the target vocab)."""
+(docs/design.md 3.6: map after the top-k, never scatter into the target vocab)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Greedy tree verification: the longest root path whose every token is the
-target's argmax at its parent, plus the bonus token (design notes 3.6)."""
+target's argmax at its parent, plus the bonus token (docs/design.md 3.6)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """KV compaction: after verification, move the accepted nodes' K/V entries to
-contiguous slots so the cache stays a dense prefix (design notes 3.6)."""
+contiguous slots so the cache stays a dense prefix (docs/design.md 3.6)."""
 
 from __future__ import annotations
 

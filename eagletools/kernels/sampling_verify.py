@@ -1,4 +1,4 @@
-"""Lossless tree verification for sampling (temperature > 0), design notes 3.6.
+"""Lossless tree verification for sampling (temperature > 0), docs/design.md 3.6.
 
 Drafts are deterministic top-k, so each child is a point mass: at a node with
 target distribution p, children are tried in index order (the tree builder

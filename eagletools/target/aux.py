@@ -1,6 +1,6 @@
 """Aux hidden states for EAGLE-3, captured with forward hooks.
 
-Layer ids use Hugging Face `output_hidden_states` indexing (design notes 3.1):
+Layer ids use Hugging Face `output_hidden_states` indexing (docs/design.md 3.1):
 0 is the embedding output, k is the output of decoder layer k-1, and N (the
 number of layers) is the final-norm output, as in `hidden_states[N]`. Hooks
 keep only the requested states instead of all N+1.

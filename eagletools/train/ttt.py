@@ -1,4 +1,4 @@
-"""Training-time test (design notes 3.5): the K-step unroll, its loss and metrics.
+"""Training-time test (docs/design.md 3.5): the K-step unroll, its loss and metrics.
 
 At step j the query at position t (embedding of token t+1+j, RoPE position
 t+j) attends causally over the step-0 keys and, at its own position only,
