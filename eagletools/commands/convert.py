@@ -14,7 +14,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         subparsers, "convert",
         "Convert an EAGLE-3 draft checkpoint between eagle (SGLang, SpecForge, TensorRT-LLM), "
         "speculators (vLLM) and eagletools training formats, checking it first",
-        "eagletools convert runs/demo/final out/draft-vllm --to speculators "
+        "eagletools convert runs/train/final runs/draft-vllm --to speculators "
         "--target smollm2-135m",
     )  # fmt: skip
     p.add_argument("src", help="checkpoint folder (format detected)")

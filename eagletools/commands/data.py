@@ -113,8 +113,8 @@ def _register_regenerate(sub: argparse._SubParsersAction) -> None:
     p = add_command(
         sub, "regenerate",
         "Replace assistant replies with the target's own, turn by turn (local or --server)",
-        "eagletools data regenerate --target smollm2-135m --data mt-bench-prompts.jsonl "
-        "--output regen.jsonl --max-new-tokens 256",
+        "eagletools data regenerate --target smollm2-135m --data sharegpt --num-samples 100 "
+        "--max-turns 1 --max-new-tokens 256 --output runs/regenerated.jsonl",
     )  # fmt: skip
     p.add_argument("--data", required=True, help="built-in dataset, .json/.jsonl file or folder")
     p.add_argument(

@@ -11,8 +11,8 @@ from eagletools.commands.generate import add_decoding_args, settings_from_args
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = add_command(
         subparsers, "eval", "Benchmark a draft: tau, per-position acceptance, speedup, greedy match",
-        "eagletools eval --target smollm2-135m --draft runs/demo/draft --bench mt-bench "
-        "--num-prompts 10 --hf-baseline --output-dir runs/demo/eval",
+        "eagletools eval --target smollm2-135m --draft runs/demo/eagle --bench mt-bench "
+        "--num-prompts 10 --hf-baseline --output-dir runs/eval",
     )  # fmt: skip
     p.add_argument(
         "--bench",

@@ -55,7 +55,7 @@ def settings_from_args(args: argparse.Namespace, **extra):
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = add_command(
         subparsers, "generate", "Generate text with tree speculative decoding (or plain decoding)",
-        'eagletools generate --target smollm2-135m --draft runs/demo/draft "Tell me about owls."',
+        'eagletools generate --target smollm2-135m --draft runs/demo/eagle "Tell me about owls."',
     )  # fmt: skip
     p.add_argument("prompt", help="the user message (rendered with the chat template)")
     add_decoding_args(p)

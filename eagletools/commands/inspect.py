@@ -14,7 +14,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         subparsers, "inspect",
         "Show a draft checkpoint's format, config, sizes, vocabulary invariants and aux "
         "layers; with --target, every incompatibility and its fix (exit 1 if any)",
-        "eagletools inspect out/draft-vllm --target smollm2-135m",
+        "eagletools inspect runs/draft-vllm --target smollm2-135m",
     )  # fmt: skip
     p.add_argument("ckpt", help="checkpoint folder (format detected)")
     p.add_argument("--target", help="check compatibility with this target")

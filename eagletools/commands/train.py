@@ -11,7 +11,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = add_command(
         subparsers, "train",
         "Train an EAGLE-3 draft head (training-time test), online or from a hidden-state cache",
-        "eagletools train recipes/smollm2-135m-cpu.yaml training.lr=2e-4 --output-dir runs/demo",
+        "eagletools train recipes/smollm2-135m-cpu.yaml training.lr=2e-4 --output-dir runs/train",
     )  # fmt: skip
     add_recipe_argument(p)
     p.add_argument("--output-dir", required=True, help="run folder: checkpoints, final/, metrics")
