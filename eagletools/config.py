@@ -14,12 +14,15 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from eagletools.dtypes import dtype_name
 from eagletools.errors import UserError
+
+if TYPE_CHECKING:
+    from eagletools.data.conversations import HubOptions
 
 
 @dataclass
@@ -47,14 +50,23 @@ class RegenerateSection:
 
 @dataclass
 class DataSection:
-    train: str = "sharegpt"  # dataset spec for `load_conversations`
+    train: str = "sharegpt"  # built-in name, local file/folder, or hub dataset id (org/name)
     num_samples: int | None = None  # conversations to load (None: all)
+    split: str = "train"  # hub datasets: the split to read
+    revision: str | None = None  # hub datasets: branch, tag or commit (a commit pins the data)
+    streaming: bool = False  # hub datasets: stream rows, no full download (on with num_samples)
     max_length: int = 2048
     eval_samples: int = 64  # held-out conversations, split off with the seed
     chat_template: str | None = None
     hidden_states: str | None = None  # offline: a cache from `eagletools data hidden-states`
     offline: bool = False  # build that cache in OUT/hidden-states first, then train from it
     regenerate: RegenerateSection = field(default_factory=RegenerateSection)
+
+    def hub(self) -> HubOptions:
+        """How `train` is read when it is a hub dataset id."""
+        from eagletools.data.conversations import HubOptions
+
+        return HubOptions(self.split, self.revision, self.streaming)
 
 
 @dataclass
@@ -168,6 +180,7 @@ class TrainConfig:
             (t.attn_chunk >= 1, "training.attn_chunk", "must be at least 1"),
             (self.data.max_length >= 4, "data.max_length", "must be at least 4"),
             (self.data.eval_samples >= 0, "data.eval_samples", "must be >= 0"),
+            (bool(self.data.split), "data.split", "must name a split, e.g. train"),
             (
                 self.data.regenerate.max_turns is None or self.data.regenerate.max_turns >= 1,
                 "data.regenerate.max_turns",

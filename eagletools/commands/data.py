@@ -3,17 +3,42 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from eagletools.commands import add_command
+
+if TYPE_CHECKING:
+    from eagletools.data.conversations import HubOptions
+
+
+def add_data_args(p: argparse.ArgumentParser) -> None:
+    """Options naming conversation data: a built-in, a local file or folder, or a hub id."""
+    p.add_argument(
+        "--data",
+        required=True,
+        help="built-in dataset, .json/.jsonl/.parquet file or folder, or hub dataset id org/name",
+    )
+    p.add_argument("--data-split", default="train", help="hub dataset: the split to read")
+    p.add_argument("--data-revision", default=None, help="hub dataset: branch, tag or commit")
+    p.add_argument(
+        "--data-streaming",
+        action="store_true",
+        help="hub dataset: stream rows instead of downloading it all (on with --num-samples)",
+    )
+    p.add_argument("--num-samples", type=int, default=None, help="first N usable conversations")
+
+
+def hub_options(args: argparse.Namespace) -> HubOptions:
+    """The `HubOptions` of `add_data_args`' flags."""
+    from eagletools.data.conversations import HubOptions
+
+    return HubOptions(args.data_split, args.data_revision, args.data_streaming)
 
 
 def add_prepare_args(p: argparse.ArgumentParser) -> None:
     """Options naming a prepared dataset; shared by every command that tokenises data."""
     p.add_argument("--target", required=True, help="built-in name, HF folder, hub id or .gguf")
-    p.add_argument(
-        "--data", required=True, help="built-in dataset, .json/.jsonl/.parquet file or folder"
-    )
-    p.add_argument("--num-samples", type=int, default=None, help="first N usable conversations")
+    add_data_args(p)
     p.add_argument("--max-length", type=int, default=2048, help="tokens per sample (truncated)")
     p.add_argument(
         "--chat-template", default=None, help="Jinja file, for tokenizers without a template"
@@ -32,6 +57,7 @@ def prepare_from_args(args: argparse.Namespace, tokenizer=None):
         chat_template=args.chat_template,
         num_proc=args.num_proc,
         tokenizer=tokenizer,
+        hub=hub_options(args),
     )
 
 
@@ -116,14 +142,13 @@ def _register_regenerate(sub: argparse._SubParsersAction) -> None:
         "eagletools data regenerate --target smollm2-135m --data sharegpt --num-samples 100 "
         "--max-turns 1 --max-new-tokens 256 --output runs/regenerated.jsonl",
     )  # fmt: skip
-    p.add_argument("--data", required=True, help="built-in dataset, .json/.jsonl file or folder")
+    add_data_args(p)
     p.add_argument(
         "--output", required=True, help="JSONL file to write (resumes from OUTPUT.parts)"
     )
     p.add_argument("--target", help="local target: built-in name, HF folder, hub id or .gguf")
     p.add_argument("--server", help="OpenAI-compatible server URL (vLLM, SGLang) instead")
     p.add_argument("--model", help="model name on the server (default: its first listed)")
-    p.add_argument("--num-samples", type=int, default=None, help="first N usable conversations")
     p.add_argument("--max-new-tokens", type=int, default=512)
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -155,7 +180,7 @@ def _regenerate(args: argparse.Namespace) -> int:
     if bool(args.target) == bool(args.server):
         raise UserError("give exactly one of --target (local) or --server URL")
     sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p, args.seed)
-    conversations, report = load_conversations(args.data, args.num_samples)
+    conversations, report = load_conversations(args.data, args.num_samples, hub_options(args))
     print(report.summary())
     if args.server:
         generate = server_generator(args.server, sampling, args.model, args.batch_size)
@@ -169,7 +194,8 @@ def _regenerate(args: argparse.Namespace) -> int:
         backend = {"target": args.target}
     if args.max_turns is not None and args.max_turns < 1:
         raise UserError(f"--max-turns must be at least 1, got {args.max_turns}")
-    identity = {"data": args.data, "num_samples": args.num_samples, "max_turns": args.max_turns,
+    identity = {"data": args.data, "split": args.data_split, "revision": args.data_revision,
+                "num_samples": args.num_samples, "max_turns": args.max_turns,
                 "max_prompt_tokens": args.max_prompt_tokens, **backend,
                 **asdict(sampling)}  # fmt: skip
     out = regenerate(conversations, generate, args.output, identity=identity,

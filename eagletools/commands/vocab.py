@@ -39,14 +39,14 @@ def _build(args: argparse.Namespace) -> int:
 
     from eagletools.atomic import write_text
     from eagletools.commands.data import prepare_from_args
-    from eagletools.data.conversations import data_path
+    from eagletools.data.conversations import data_source
     from eagletools.errors import UserError
     from eagletools.target import load_config, load_tokenizer
     from eagletools.vocab import build_vocab_cached
 
     if args.size < 1:
         raise UserError(f"--size {args.size}: the draft vocabulary needs at least 1 token")
-    data_path(args.data)  # fail on a missing file before loading anything
+    data_source(args.data)  # fail on a missing file before loading anything
     vocab_size = load_config(args.target).get_text_config().vocab_size
     if args.size > vocab_size:
         raise UserError(

@@ -2,19 +2,24 @@
 
 Sources: a built-in dataset name, a JSON file (a top-level array, parsed
 incrementally so a file cut off mid-record still yields every whole record),
-a JSONL file (optionally .gz), a Parquet/Arrow file, or a local folder that
-the `datasets` library reads (`save_to_disk` output or data files).
+a JSONL file (optionally .gz), a Parquet/Arrow file, a local folder that the
+`datasets` library reads (`save_to_disk` output or data files), or a Hugging
+Face hub dataset id (`org/name`, read with `datasets.load_dataset`; see
+`HubOptions`).
 Records: ShareGPT (`conversations: [{from, value}]`), OpenAI-style
-(`messages: [{role, content}]`) and UltraChat (`data: [user, assistant, ...]`).
-Bad records are repaired when the fix is unambiguous, else dropped; the
-`LoadReport` counts both by reason.
+(`messages: [{role, content}]`, also UltraChat 200k) and older UltraChat
+(`data: [user, assistant, ...]`). Bad records are repaired when the fix is
+unambiguous, else dropped; the `LoadReport` counts both by reason.
 """
 
 from __future__ import annotations
 
+import ast
 import gzip
 import io
 import json
+import logging
+import re
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -23,6 +28,8 @@ from typing import Any
 
 from eagletools import assets
 from eagletools.errors import UserError
+
+log = logging.getLogger(__name__)
 
 ROLES = {
     "system": "system",
@@ -35,7 +42,25 @@ ROLES = {
     "bard": "assistant",
     "model": "assistant",
 }
-_TURN_LISTS = ("messages", "conversations", "conversation", "data")
+# the column holding a record's turns, in the order they are looked for -> its layout
+_LAYOUTS = {
+    "messages": "OpenAI: messages = [{role, content}] (UltraChat 200k: also prompt, prompt_id)",
+    "conversations": "ShareGPT: conversations = [{from, value}]",
+    "conversation": "ShareGPT variant: conversation = [{from, value}]",
+    "data": "UltraChat (older): data = [user, assistant, ...] strings",
+}
+_TURN_LISTS = tuple(_LAYOUTS)
+_LOCAL_SUFFIXES = (".json", ".jsonl", ".gz", ".parquet", ".arrow")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+@dataclass(frozen=True)
+class HubOptions:
+    """How a hub dataset id is read; built-in names and local files ignore it."""
+
+    split: str = "train"
+    revision: str | None = None  # branch, tag or commit; a commit pins the data
+    streaming: bool = False  # rows stream in, no full download; always on with num_samples
 
 
 @dataclass(frozen=True)
@@ -203,7 +228,77 @@ def _iter_jsonl(path: Path) -> Iterator[Any]:
                 ) from None
 
 
-def _iter_datasets(path: Path) -> Iterator[Any]:
+def _no_layout(source: str | Path, columns: list[str]) -> UserError:
+    known = "\n".join(f"  {layout}" for layout in _LAYOUTS.values())
+    return UserError(
+        f"{source}: none of the known conversation columns; found {sorted(columns)}. "
+        f"Known layouts:\n{known}"
+    )
+
+
+def _layout(columns: list[str], source: str | Path) -> str:
+    """The layout a dataset's columns name (UltraChat told apart by its prompt columns)."""
+    key = next((k for k in _TURN_LISTS if k in columns), None)
+    if key is None:
+        raise _no_layout(source, columns)
+    if key == "messages" and {"prompt", "prompt_id"} & set(columns):
+        return "UltraChat: messages = [{role, content}] with prompt, prompt_id"
+    return _LAYOUTS[key]
+
+
+def _rows(ds: Any, source: str | Path, report: LoadReport) -> Iterator[Any]:
+    """A (streamed) `datasets` dataset's rows, once its columns show a known layout."""
+    if ds.column_names is not None:  # None: a stream whose features are not declared
+        report.notes.append(f"layout: {_layout(ds.column_names, source)}")
+    yield from ds
+
+
+def _unknown_split(err: ValueError) -> list[str] | None:
+    """The splits a `datasets` "Unknown split" / "Bad split" error lists ([] if none)."""
+    message = str(err)
+    if "Unknown split" not in message and "Bad split" not in message:
+        return None
+    listed = re.search(r"(?:Should be one of|Available splits:) (\[.*?\])", message)
+    try:
+        return [str(s) for s in ast.literal_eval(listed.group(1))] if listed else []
+    except (ValueError, SyntaxError):
+        return []
+
+
+def _iter_hub(
+    repo: str, hub: HubOptions, num_samples: int | None, report: LoadReport
+) -> Iterator[Any]:
+    import datasets
+
+    streaming = hub.streaming or num_samples is not None
+    try:
+        ds = datasets.load_dataset(
+            repo, split=hub.split, revision=hub.revision, streaming=streaming
+        )
+    except ValueError as err:
+        splits = _unknown_split(err)
+        if splits is None:
+            raise UserError(
+                f"hub dataset {repo}: the datasets library cannot read it: {err}"
+            ) from err
+        available = f" (it has: {', '.join(splits)})" if splits else ""
+        raise UserError(
+            f"hub dataset {repo}: no split {hub.split!r}{available}; "
+            "pick one with --data-split (data.split in a recipe)"
+        ) from err
+    except OSError as err:
+        raise UserError(
+            f"hub dataset {repo}: cannot load it ({err}); check the id and --data-revision, "
+            "and for a gated dataset log in (huggingface-cli login or HF_TOKEN)"
+        ) from err
+    report.notes.append(
+        f"hub split {hub.split!r}, revision {hub.revision or 'default'}"
+        + (", streamed" if streaming else "")
+    )
+    yield from _rows(ds, repo, report)
+
+
+def _iter_datasets(path: Path, report: LoadReport) -> Iterator[Any]:
     import datasets
 
     try:
@@ -220,13 +315,18 @@ def _iter_datasets(path: Path) -> Iterator[Any]:
         if "train" not in ds:
             raise UserError(f"{path}: a dataset with splits {list(ds)}; expected a 'train' split")
         ds = ds["train"]
-    yield from ds
+    yield from _rows(ds, path, report)
 
 
-def _records(path: Path, report: LoadReport) -> Iterator[Any]:
+def _records(
+    source: Path | str, hub: HubOptions, num_samples: int | None, report: LoadReport
+) -> Iterator[Any]:
+    if isinstance(source, str):
+        return _iter_hub(source, hub, num_samples, report)
+    path = source
     name = path.name.removesuffix(".gz")
     if path.is_dir() or path.suffix in (".parquet", ".arrow"):
-        return _iter_datasets(path)
+        return _iter_datasets(path, report)
     if name.endswith(".jsonl"):
         return _iter_jsonl(path)
     if name.endswith(".json"):
@@ -235,44 +335,63 @@ def _records(path: Path, report: LoadReport) -> Iterator[Any]:
         return _iter_json_array(path, report) if first == "[" else _iter_jsonl(path)
     raise UserError(
         f"{path}: unknown data format; give a .json, .jsonl(.gz), .parquet, .arrow file, "
-        "a datasets folder or a built-in dataset name"
+        "a datasets folder, a hub dataset id (org/name) or a built-in dataset name"
     )
 
 
-def data_path(spec: str | Path) -> Path:
-    """The local file or folder a data spec names (built-in datasets are fetched)."""
+def data_source(spec: str | Path) -> Path | str:
+    """What a data spec names: a local file or folder (built-in datasets are fetched), or,
+    when no such path exists, a hub dataset id (`org/name`), returned as a str."""
     spec = str(spec)
     if spec in assets.ASSETS and assets.ASSETS[spec].kind == "dataset":
         return assets.resolve(spec)
     path = Path(spec).expanduser()
-    if not path.exists():
-        known = ", ".join(sorted(a.name for a in assets.ASSETS.values() if a.kind == "dataset"))
-        raise UserError(
-            f"data {spec!r}: no such file or folder, and not a built-in dataset (known: {known})"
-        )
-    return path
+    if path.exists():
+        return path
+    if _HUB_ID.match(spec) and not spec.endswith(_LOCAL_SUFFIXES):
+        return spec
+    known = ", ".join(sorted(a.name for a in assets.ASSETS.values() if a.kind == "dataset"))
+    raise UserError(
+        f"data {spec!r}: no such file or folder, not a built-in dataset (known: {known}) "
+        "and not a hub dataset id (org/name)"
+    )
 
 
 def load_conversations(
-    spec: str | Path, num_samples: int | None = None
+    spec: str | Path, num_samples: int | None = None, hub: HubOptions | None = None
 ) -> tuple[list[Conversation], LoadReport]:
-    """Up to `num_samples` usable conversations, in file order, and what was dropped."""
+    """Up to `num_samples` usable conversations, in file order, and what was dropped.
+
+    Asking for more than the data has is not an error, but the report says so.
+    """
     if num_samples is not None and num_samples < 1:
         raise UserError(f"--num-samples must be at least 1, got {num_samples}")
-    path = data_path(spec)
+    source = data_source(spec)
     report = LoadReport(source=str(spec))
     conversations: list[Conversation] = []
-    for record in _records(path, report):
+    keys_without_turns: list[str] | None = None  # of the first record with no turn list
+    for record in _records(source, hub or HubOptions(), num_samples, report):
         report.read += 1
         try:
             conversations.append(normalize(record, report.repaired))
         except BadRecord as bad:
             report.dropped[str(bad)] += 1
+            if str(bad) == "no_turn_list" and keys_without_turns is None:
+                keys_without_turns = list(record)
             continue
         if num_samples is not None and len(conversations) >= num_samples:
             report.notes.append(f"stopped after {num_samples} conversations (--num-samples)")
             break
     report.kept = len(conversations)
     if not conversations:
-        raise UserError(f"{path}: no usable conversation\n{report.summary()}")
+        if keys_without_turns is not None and report.dropped["no_turn_list"] == report.read:
+            raise _no_layout(source, keys_without_turns)
+        raise UserError(f"{source}: no usable conversation\n{report.summary()}")
+    if num_samples is not None and report.kept < num_samples:
+        shortfall = (
+            f"--num-samples {num_samples} asks for more than the data has: "
+            f"{report.kept} usable conversations in {report.read} records"
+        )
+        report.notes.append(shortfall)
+        log.warning("%s: %s", spec, shortfall)
     return conversations, report

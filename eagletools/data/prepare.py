@@ -1,7 +1,8 @@
 """Tokenise and mask a conversation dataset once; `vocab` and `train` reuse the result.
 
 The cache key covers everything the result depends on: the data (content
-hash of a file, or file sizes and times of a folder), the tokenizer (its
+hash of a file, file sizes and times of a folder, or a hub id with its split
+and revision), the tokenizer (its
 serialised vocabulary and merges, special tokens and chat template), the max
 length, the number of samples and this module's format version.
 """
@@ -25,7 +26,13 @@ from eagletools.data.chat import (
     read_chat_template,
     tokenize_conversation,
 )
-from eagletools.data.conversations import LoadReport, Message, data_path, load_conversations
+from eagletools.data.conversations import (
+    HubOptions,
+    LoadReport,
+    Message,
+    data_source,
+    load_conversations,
+)
 from eagletools.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -41,12 +48,16 @@ def _sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def data_identity(spec: str | Path) -> str:
-    """A string that changes whenever the data behind `spec` changes."""
+def data_identity(spec: str | Path, hub: HubOptions | None = None) -> str:
+    """A string that changes whenever the data behind `spec` changes (for a hub dataset:
+    its id, split and revision; only a commit revision pins what a branch name may move)."""
     spec = str(spec)
     if spec in assets.ASSETS:
         return f"asset:{spec}:{assets.ASSETS[spec].sha256}"
-    path = data_path(spec)
+    path = data_source(spec)
+    if isinstance(path, str):
+        hub = hub or HubOptions()
+        return f"hub:{path}:{hub.split}:{hub.revision or 'default'}"
     if path.is_file():
         return f"file:{_sha256_file(path)}"
     files = sorted(p for p in path.rglob("*") if p.is_file())
@@ -106,10 +117,11 @@ def _build(
     num_samples: int | None,
     chat_template: str | None,
     num_proc: int,
+    hub: HubOptions | None,
 ) -> dict[str, Any]:
     import datasets
 
-    conversations, load_report = load_conversations(data_spec, num_samples)
+    conversations, load_report = load_conversations(data_spec, num_samples, hub)
     log.debug(load_report.summary())
     rows = {
         "messages": [[{"role": m.role, "content": m.content} for m in c] for c in conversations]
@@ -162,11 +174,12 @@ def prepare(
     num_proc: int = 1,
     tokenizer: Any = None,
     cache_dir: str | Path | None = None,
+    hub: HubOptions | None = None,
 ) -> Prepared:
     """The prepared dataset (from the cache when present), its report and cache folder.
 
     Pass `tokenizer` when it is already loaded; otherwise only the target's
-    tokenizer is loaded (never its weights).
+    tokenizer is loaded (never its weights). `hub` says how a hub dataset id is read.
     """
     import datasets
 
@@ -175,7 +188,7 @@ def prepare(
     if max_length < 2:
         raise UserError(f"--max-length must be at least 2, got {max_length}")
     template = read_chat_template(chat_template)
-    data_id = data_identity(data_spec)  # a missing file fails before the tokenizer loads
+    data_id = data_identity(data_spec, hub)  # a missing file fails before the tokenizer loads
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(target_spec)
     check_tokenizer(tokenizer, template, str(target_spec))
     key = cache_key(
@@ -191,7 +204,9 @@ def prepare(
         fcntl.flock(lock, fcntl.LOCK_EX)  # one builder per key; the others wait and reuse
         if not path.is_dir():
             with atomic_dir(path) as tmp:
-                _build(tmp, tokenizer, str(data_spec), max_length, num_samples, template, num_proc)
+                _build(
+                    tmp, tokenizer, str(data_spec), max_length, num_samples, template, num_proc, hub
+                )
         else:
             log.info("prepared data from cache: %s", path)
     report = json.loads((path / "report.json").read_text())

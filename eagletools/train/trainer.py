@@ -72,7 +72,7 @@ def online_inputs(config: TrainConfig, target: Any = None, dataset: Any = None) 
         d = config.data
         dataset = prepare_dataset(
             config.target.spec, d.train, d.max_length, d.num_samples,
-            chat_template=d.chat_template, tokenizer=target.tokenizer,
+            chat_template=d.chat_template, tokenizer=target.tokenizer, hub=d.hub(),
         )  # fmt: skip
     model = target.model
     layer_ids = config.target.aux_layer_ids or default_aux_layer_ids(target.info.num_layers)
@@ -613,11 +613,12 @@ def regenerated_data(config: TrainConfig, output_dir: str | Path, target: Any) -
     out = Path(output_dir) / "regenerated.jsonl"
     state = PartialState(cpu=not torch.cuda.is_available())
     if state.is_main_process:
-        conversations, report = load_conversations(d.train, d.num_samples)
+        conversations, report = load_conversations(d.train, d.num_samples, d.hub())
         log.info("%s", report.summary())
         sampling = Sampling(r.max_new_tokens, r.temperature, 1.0, config.training.seed)
         generate = local_generator(target, sampling, r.batch_size, r.max_prompt_tokens)
-        identity = {"data": d.train, "num_samples": d.num_samples, "target": config.target.spec,
+        identity = {"data": d.train, "split": d.split, "revision": d.revision,
+                    "num_samples": d.num_samples, "target": config.target.spec,
                     "seed": config.training.seed, **dataclasses.asdict(r)}  # fmt: skip
         regenerate(conversations, generate, out, identity=identity, max_turns=r.max_turns,
                    chunk_size=4 * r.batch_size)  # fmt: skip
@@ -645,7 +646,8 @@ def build_cache(
     key = "given"
     if dataset is None:
         prepared = prepare(config.target.spec, d.train, d.max_length, d.num_samples,
-                           chat_template=d.chat_template, tokenizer=target.tokenizer)  # fmt: skip
+                           chat_template=d.chat_template, tokenizer=target.tokenizer,
+                           hub=d.hub())  # fmt: skip
         dataset, key = prepared.dataset, prepared.key
     write_hidden_states(
         target, dataset, path, data_key=key, max_length=d.max_length,
