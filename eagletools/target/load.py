@@ -16,7 +16,6 @@ from typing import Any
 import torch
 
 from eagletools import assets
-from eagletools.atomic import atomic_dir
 from eagletools.errors import UserError
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -161,7 +160,9 @@ def dequantised_folder(spec: str | Path) -> Path | None:
         return None
     gguf = (Path(location) / extra["gguf_file"]).resolve()
     stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    # v2: folders that engines load too (architectures, the tied embedding by name)
+    key = f"{gguf}|{stat.st_size}|{stat.st_mtime_ns}|v2"
+    key = hashlib.sha256(key.encode()).hexdigest()[:16]
     folder = assets.cache_dir() / "dequantised" / f"{gguf.stem}-{key}"
     if (folder / "config.json").is_file():
         return folder
@@ -174,20 +175,12 @@ def dequantised_folder(spec: str | Path) -> Path | None:
 
 
 def _write_dequantised(spec: str, folder: Path) -> None:
-    from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM
 
+    from eagletools.target.folder import save_target_folder
+
     model = _load(AutoModelForCausalLM, spec, "model", dtype=torch.float32)
-    tokenizer = load_tokenizer(spec)
-    config = model.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config  # the weights below are plain floats
-    with atomic_dir(folder, overwrite=True) as tmp:
-        config.save_pretrained(tmp)
-        if model.generation_config is not None:
-            model.generation_config.save_pretrained(tmp)
-        save_model(model, str(tmp / "model.safetensors"))  # handles tied embeddings
-        tokenizer.save_pretrained(tmp)
+    save_target_folder(model, load_tokenizer(spec), folder, torch.float32, overwrite=True)
 
 
 def load_target(

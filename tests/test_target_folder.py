@@ -1,0 +1,73 @@
+"""Target folders eagletools writes load in engines as a causal LM (docs/deploy.md).
+
+vLLM resolves the model class from `architectures` and loads every parameter
+of that class by its own name; a tied model saved by `save_pretrained` lacks
+`model.embed_tokens.weight`, and a GGUF-read config lacks `architectures`.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import tiny_model
+from safetensors import safe_open
+from test_data_chat import byte_bpe_tokenizer
+
+from eagletools.target.folder import save_target_folder
+
+
+def _engine_view(folder):
+    """(architecture, {parameter name: shape}) as an engine reading the folder sees them."""
+    config = json.loads((folder / "config.json").read_text())
+    with safe_open(folder / "model.safetensors", "pt") as f:
+        names = list(f.keys())  # noqa: SIM118 (safe_open is not iterable)
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in names}
+        dtypes = {f.get_slice(k).get_dtype() for k in names}
+    return config, shapes, dtypes
+
+
+def _expected_parameters(config_dir):
+    """Every parameter the HF class declares, built on the meta device from the folder."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(config_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_tied_target_folder_has_every_parameter_by_name(tmp_path, dtype):
+    model = tiny_model("llama", tie_word_embeddings=True, vocab_size=400)
+    model.config.architectures = None  # as transformers leaves a GGUF-read config
+    tok = byte_bpe_tokenizer("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    save_target_folder(model, tok, tmp_path / "t", dtype)
+
+    config, shapes, dtypes = _engine_view(tmp_path / "t")
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert shapes == _expected_parameters(tmp_path / "t")
+    assert "model.embed_tokens.weight" in shapes and "lm_head.weight" in shapes
+    assert dtypes == {"BF16" if dtype == torch.bfloat16 else "F32"}
+    files = {p.name for p in (tmp_path / "t").iterdir()}
+    assert {"tokenizer.json", "generation_config.json"} <= files
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(tmp_path / "t").chat_template
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "t", dtype=torch.float32)
+    x = torch.tensor([[1, 2, 3]])
+    expected = model.to(dtype).float()(x).logits
+    torch.testing.assert_close(loaded(x).logits, expected)
+
+
+@pytest.mark.integration
+def test_builtin_target_folder_loads_in_engines(tmp_path):
+    """The dequantised built-in (the folder every engine is pointed at) is complete."""
+    from eagletools.target.load import dequantised_folder
+
+    folder = dequantised_folder("smollm2-135m")
+    config, shapes, _ = _engine_view(folder)
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert shapes["model.embed_tokens.weight"] == (49152, 576)
+    assert shapes == _expected_parameters(folder)
