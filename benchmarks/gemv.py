@@ -1,8 +1,9 @@
 """Rows times a weight on CPU, per SmolLM2-135M shape: `F.linear`, `torch.mv`, packed.
 
 Decoding multiplies 1 row (a token) or a few (a draft tree) by every weight;
-training's target forward multiplies hundreds. `packed` is `eagletools.cpu_ops.linear`,
-which pre-packs bf16 weights for oneDNN once instead of at every call. Each call
+training's target forward multiplies hundreds. `packed` is oneDNN's product with the
+bf16 weight pre-packed once (`eagletools.cpu_ops.packed_linear`) instead of at every
+call, timed at every row count, one row included. Each call
 takes the next of enough distinct weights (about 200 MB) that none is still in
 cache, as in a real forward. Prints microseconds per call (median of 5 rounds)
 and each method's speed-up over `F.linear`.
@@ -19,7 +20,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from eagletools.cpu_ops import linear, packed_weight, packing_available
+from eagletools.cpu_ops import packed_linear, packed_weight, packing_available
 
 SHAPES = {  # SmolLM2-135M: (out, in)
     "fused q/k/v": (960, 576),
@@ -55,7 +56,7 @@ def main() -> None:
     methods = {"F.linear": lambda w, x: F.linear(x, w)}
     methods["torch.mv (1 row)"] = lambda w, x: torch.mv(w, x[0])
     if dtype == torch.bfloat16 and packing_available():
-        methods["packed"] = lambda w, x: linear(x, w, None)
+        methods["packed"] = lambda w, x: packed_linear(x, w, None)
     print(f"dtype {args.dtype}, {torch.get_num_threads()} threads")
     print(f"| weight | shape | rows | {' | '.join(methods)} | speed-up over F.linear |")
     print("|---|---|---|" + "---|" * (len(methods) + 1))
