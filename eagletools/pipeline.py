@@ -22,7 +22,6 @@ from typing import Any
 
 from eagletools.atomic import write_text
 from eagletools.config import TrainConfig
-from eagletools.errors import UserError
 from eagletools.eval.benchmarks import Question
 
 log = logging.getLogger(__name__)
@@ -118,17 +117,8 @@ def stages(config: TrainConfig, out: Path) -> list[Stage]:
 
 def _read_benchmarks(config: TrainConfig) -> dict[str, list[Question]]:
     """Every benchmark's questions, read now: a missing file fails in a second, not after
-    training. The built-in Spec-Bench copy lies beside the project only (../shared), so on
-    a machine without it that benchmark is skipped with a warning instead."""
-    questions = {}
-    for bench in config.eval.benchmarks:
-        try:
-            questions[bench] = _questions(bench, config.eval.num_prompts)
-        except UserError as err:
-            if bench != "spec-bench":
-                raise
-            log.warning("skipping the spec-bench evaluation: %s", err)
-    return questions
+    training."""
+    return {b: _questions(b, config.eval.num_prompts) for b in config.eval.benchmarks}
 
 
 def run_pipeline(config: TrainConfig, output_dir: str | Path) -> dict[str, Any]:

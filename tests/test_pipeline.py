@@ -109,15 +109,13 @@ def test_a_missing_benchmark_fails_before_training(tmp_path, monkeypatch, capsys
     assert "missing.jsonl" in capsys.readouterr().err
 
 
-def test_spec_bench_missing_on_this_machine_is_skipped_not_fatal(tmp_path, monkeypatch, caplog):
-    """The built-in Spec-Bench copy lies beside the project only; make demo runs without it."""
+def test_builtin_spec_bench_is_read_before_training(tmp_path):
+    """Spec-Bench ships with the package: the pipeline samples it across its categories."""
     from eagletools.config import load_config
     from eagletools.pipeline import _read_benchmarks
 
     _, bench = write_inputs(tmp_path)
-    monkeypatch.setenv("EAGLETOOLS_SPEC_BENCH", str(tmp_path / "absent.jsonl"))
-    config = load_config(None, [f"eval.benchmarks=[spec-bench, {bench}]", "eval.num_prompts=2"])
-    with caplog.at_level("WARNING"):
-        questions = _read_benchmarks(config)
-    assert list(questions) == [str(bench)] and len(questions[str(bench)]) == 2
-    assert "skipping the spec-bench evaluation" in caplog.text
+    config = load_config(None, [f"eval.benchmarks=[spec-bench, {bench}]", "eval.num_prompts=3"])
+    questions = _read_benchmarks(config)
+    assert list(questions) == ["spec-bench", str(bench)]
+    assert len({q.category for q in questions["spec-bench"]}) == 3

@@ -5,22 +5,23 @@ give `turns` (a list of user messages, the MT-bench / Spec-Bench format) or a
 single `prompt` / `question` / `instruction` string; `question_id` / `id` /
 `task_id` and `category` are optional. A bad line is an error with its
 line number: a benchmark silently missing prompts would skew every figure.
+
+Spec-Bench's 480 questions (github.com/hemingkx/Spec-Bench, Apache-2.0, its
+LICENSE beside them) ship inside the package, in eval/data/spec_bench/.
 """
 
 from __future__ import annotations
 
 import gzip
 import json
-import os
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 from eagletools.errors import UserError
 
 BUILTIN = ("mt-bench", "humaneval", "spec-bench")
-SPEC_BENCH_ENV = "EAGLETOOLS_SPEC_BENCH"
-# the development checkout keeps Spec-Bench beside the clone (../shared/data/...)
-_SPEC_BENCH_NEAR = Path(__file__).resolve().parents[3] / "shared/data/spec_bench/question.jsonl"
+SPEC_BENCH = "data/spec_bench/question.jsonl"  # inside eagletools.eval
 
 
 @dataclass(frozen=True)
@@ -30,35 +31,26 @@ class Question:
     turns: tuple[str, ...]
 
 
-def spec_bench_path() -> Path:
-    path = Path(os.environ.get(SPEC_BENCH_ENV, _SPEC_BENCH_NEAR))
-    if not path.is_file():
-        raise UserError(
-            f"Spec-Bench questions not found at {path}: pass the file itself with --bench "
-            f"question.jsonl, or set {SPEC_BENCH_ENV} to its path"
-        )
-    return path
-
-
 def load_benchmark(
     spec: str, num_prompts: int | None = None, max_turns: int | None = None
 ) -> list[Question]:
     """Questions of a built-in benchmark or a JSONL file, in file order."""
     from eagletools import assets
 
-    if spec == "mt-bench":
-        path = assets.resolve("mt-bench")
-    elif spec == "humaneval":
-        path = assets.resolve("humaneval")
-    elif spec == "spec-bench":
-        path = spec_bench_path()
+    if spec == "spec-bench":  # package data; as_file also covers a zipped install
+        with resources.as_file(resources.files("eagletools.eval") / SPEC_BENCH) as path:
+            questions = read_questions(path)
     else:
-        path = Path(spec).expanduser()
-        if not path.is_file():
-            raise UserError(
-                f"--bench {spec}: not a built-in benchmark ({', '.join(BUILTIN)}) and no such file"
-            )
-    questions = read_questions(path, default_category="humaneval" if spec == "humaneval" else "")
+        if spec in ("mt-bench", "humaneval"):
+            path = assets.resolve(spec)
+        else:
+            path = Path(spec).expanduser()
+            if not path.is_file():
+                raise UserError(
+                    f"--bench {spec}: not a built-in benchmark ({', '.join(BUILTIN)}) "
+                    "and no such file"
+                )
+        questions = read_questions(path, "humaneval" if spec == "humaneval" else "")
     if num_prompts is not None:
         if num_prompts < 1:
             raise UserError(f"--num-prompts must be at least 1, got {num_prompts}")
