@@ -137,6 +137,7 @@ class EvalSection:
     num_draft_tokens: int = 16
     autotune: bool = False
     hf_baseline: bool = True  # also time Hugging Face generate
+    device: str = "auto"  # auto: CUDA where torch sees it, else CPU; or cpu, cuda, cuda:N
 
 
 @dataclass

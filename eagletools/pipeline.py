@@ -22,6 +22,7 @@ from typing import Any
 
 from eagletools.atomic import write_text
 from eagletools.config import TrainConfig
+from eagletools.devices import resolve_device
 from eagletools.eval.benchmarks import Question
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ def stages(config: TrainConfig, out: Path) -> list[Stage]:
     from eagletools.formats.convert import convert
 
     questions = _read_benchmarks(config)
+    device = str(resolve_device(config.eval.device, "eval.device"))  # fails now, not after training
 
     target = config.target.spec
     train_dir = out / "train"
@@ -98,6 +100,8 @@ def stages(config: TrainConfig, out: Path) -> list[Stage]:
                 hf_baseline=e.hf_baseline,
                 dtype=config.target.dtype,
                 threads=config.training.num_threads,
+                device=device,
+                chat_template=config.data.chat_template,
             )
             results = run_eval(settings, questions[bench])
             write_report(results, out / "eval" / bench_name(bench))

@@ -50,3 +50,26 @@ def test_recipe_unknown_dtype_names_file_and_field(tmp_path):
         load_config(recipe)
     with pytest.raises(UserError, match="training.precision must be bf16 or fp32"):
         load_config(overrides=["training.precision=fp16"])
+
+
+# every command with a dtype flag, with its required arguments
+DTYPE_COMMANDS = [
+    ["eval", "--output-dir", "out"],
+    ["generate", "hello"],
+    ["data", "hidden-states", "--target", "t", "--data", "d", "--output-dir", "out"],
+    ["convert", "src", "out", "--to", "eagle"],
+]
+
+
+@pytest.mark.parametrize("argv", DTYPE_COMMANDS, ids=lambda a: " ".join(a[:2]))
+def test_dtype_flags_take_both_spellings(argv, capsys):
+    from eagletools.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args([*argv, "--dtype", "bf16"]).dtype == "bfloat16"
+    assert parser.parse_args([*argv, "--dtype", "float16"]).dtype == "float16"
+    with pytest.raises(SystemExit) as exit_:
+        parser.parse_args([*argv, "--dtype", "bf17"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --dtype: unknown dtype 'bf17'; known: bf16, bfloat16, fp16" in err

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from eagletools.commands import add_command
+from eagletools.dtypes import dtype_arg
 
 WRITABLE = ("eagle", "speculators", "training")
 
@@ -20,7 +21,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("src", help="checkpoint folder (format detected)")
     p.add_argument("out", help="output folder (written atomically)")
     p.add_argument("--to", required=True, choices=WRITABLE, help="output format")
-    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="cast weights (default: keep)")
+    p.add_argument(
+        "--dtype", type=dtype_arg, help="cast weights: bf16, fp16 or fp32 (default: keep)"
+    )
     p.add_argument(
         "--target",
         help="target (built-in name, HF folder, .gguf, hub id): check against it and take "

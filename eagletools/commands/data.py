@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from eagletools.commands import add_command
+from eagletools.commands import add_chat_template_argument, add_command, add_device_argument
+from eagletools.dtypes import dtype_arg
 
 if TYPE_CHECKING:
     from eagletools.data.conversations import HubOptions
@@ -40,9 +41,7 @@ def add_prepare_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", required=True, help="built-in name, HF folder, hub id or .gguf")
     add_data_args(p)
     p.add_argument("--max-length", type=int, default=2048, help="tokens per sample (truncated)")
-    p.add_argument(
-        "--chat-template", default=None, help="Jinja file, for tokenizers without a template"
-    )
+    add_chat_template_argument(p)
     p.add_argument("--num-proc", type=int, default=1, help="tokenising worker processes")
 
 
@@ -98,14 +97,17 @@ def _register_hidden_states(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--aux-layer-ids", default=None, help="HF indices, e.g. 2,15,27")
     p.add_argument("--shard-size", type=int, default=256, help="samples per shard file")
     p.add_argument("--batch-tokens", type=int, default=8192, help="tokens per target forward")
-    p.add_argument("--dtype", default="bfloat16", help="target dtype (the cache is bf16)")
+    p.add_argument(
+        "--dtype", default="bfloat16", type=dtype_arg, help="target dtype (the cache is bf16)"
+    )
+    add_device_argument(p)
     p.set_defaults(func=_hidden_states)
 
 
 def _hidden_states(args: argparse.Namespace) -> int:
-    import torch
-
     from eagletools.data.hidden_states import HiddenStateCache, write_hidden_states
+    from eagletools.devices import resolve_device
+    from eagletools.dtypes import parse_dtype
     from eagletools.errors import UserError
     from eagletools.target import load_target
 
@@ -115,11 +117,9 @@ def _hidden_states(args: argparse.Namespace) -> int:
         raise UserError(
             f"--aux-layer-ids {args.aux_layer_ids!r}: give integers like 2,15,27"
         ) from None
-    from accelerate import PartialState
-
-    # under `accelerate launch`, each rank on its own GPU
-    device = PartialState(cpu=not torch.cuda.is_available()).device
-    target = load_target(args.target, dtype=getattr(torch, args.dtype), device=device)
+    # auto: under `accelerate launch`, each rank on its own GPU
+    device = resolve_device(args.device)
+    target = load_target(args.target, dtype=parse_dtype(args.dtype), device=device)
     prepared = prepare_from_args(args, tokenizer=target.tokenizer)
     print(prepared.summary())
     root = write_hidden_states(
@@ -167,6 +167,8 @@ def _register_regenerate(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="local target: end a conversation before a turn whose history is longer",
     )
+    add_device_argument(p)
+    add_chat_template_argument(p)
     p.set_defaults(func=_regenerate)
 
 
@@ -179,6 +181,8 @@ def _regenerate(args: argparse.Namespace) -> int:
 
     if bool(args.target) == bool(args.server):
         raise UserError("give exactly one of --target (local) or --server URL")
+    if args.server and args.chat_template:
+        raise UserError("--chat-template is for a local --target; a --server renders with its own")
     sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p, args.seed)
     conversations, report = load_conversations(args.data, args.num_samples, hub_options(args))
     print(report.summary())
@@ -186,12 +190,14 @@ def _regenerate(args: argparse.Namespace) -> int:
         generate = server_generator(args.server, sampling, args.model, args.batch_size)
         backend = {"server": args.server, "model": args.model}
     else:
+        from eagletools.data.chat import set_chat_template
+        from eagletools.devices import resolve_device
         from eagletools.target import load_target
 
-        generate = local_generator(
-            load_target(args.target), sampling, args.batch_size, args.max_prompt_tokens
-        )
-        backend = {"target": args.target}
+        target = load_target(args.target, device=resolve_device(args.device))
+        set_chat_template(target.tokenizer, args.chat_template)
+        generate = local_generator(target, sampling, args.batch_size, args.max_prompt_tokens)
+        backend = {"target": args.target, "chat_template": args.chat_template}
     if args.max_turns is not None and args.max_turns < 1:
         raise UserError(f"--max-turns must be at least 1, got {args.max_turns}")
     identity = {"data": args.data, "split": args.data_split, "revision": args.data_revision,

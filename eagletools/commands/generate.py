@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from eagletools.commands import add_command
+from eagletools.commands import add_chat_template_argument, add_command, add_device_argument
+from eagletools.dtypes import dtype_arg
 
 
 def add_decoding_args(p: argparse.ArgumentParser) -> None:
@@ -27,8 +28,9 @@ def add_decoding_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--num-draft-tokens", type=int, default=16, help="draft tree: nodes verified, root included"
     )
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="bfloat16", type=dtype_arg, help="bf16, fp16 or fp32")
+    add_device_argument(p)
+    add_chat_template_argument(p)
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -47,7 +49,7 @@ def settings_from_args(args: argparse.Namespace, **extra):
         raise UserError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     names = (
         "target", "draft", "max_new_tokens", "temperature", "top_k", "top_p", "topk", "depth",
-        "num_draft_tokens", "dtype", "device", "threads", "seed", "allow_pickle",
+        "num_draft_tokens", "dtype", "device", "threads", "seed", "allow_pickle", "chat_template",
     )  # fmt: skip
     return Settings(**{n: getattr(args, n) for n in names}, **extra)
 
@@ -67,8 +69,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _generate(args: argparse.Namespace) -> int:
     import torch
 
+    from eagletools.data.chat import chat_ids
     from eagletools.errors import UserError
-    from eagletools.eval.runner import chat_ids, load_decoders
+    from eagletools.eval.runner import load_decoders
 
     if not args.prompt.strip():
         raise UserError("the prompt is empty: give the text to continue or answer")

@@ -36,16 +36,35 @@ def read_chat_template(value: str | Path | None) -> str | None:
     return path.read_text()
 
 
-def check_tokenizer(tokenizer: Any, chat_template: str | None, source: str = "target") -> None:
-    if not getattr(tokenizer, "is_fast", False):
-        raise UserError(
-            f"the tokenizer of {source} is not a fast tokenizer; loss masks need offsets"
-        )
+def set_chat_template(tokenizer: Any, value: str | Path | None) -> None:
+    """Install `--chat-template` (a Jinja file or text) on a loaded tokenizer, so every
+    prompt rendered from it (eval, generate, regenerate) uses it; None keeps its own."""
+    template = read_chat_template(value)
+    if template is not None:
+        tokenizer.chat_template = template
+
+
+def require_chat_template(tokenizer: Any, chat_template: str | None, source: str) -> None:
     if not (chat_template or tokenizer.chat_template):
         raise UserError(
             f"the tokenizer of {source} has no chat template; pass --chat-template FILE "
             "(a Jinja template such as the one in the model's tokenizer_config.json)"
         )
+
+
+def check_tokenizer(tokenizer: Any, chat_template: str | None, source: str = "target") -> None:
+    if not getattr(tokenizer, "is_fast", False):
+        raise UserError(
+            f"the tokenizer of {source} is not a fast tokenizer; loss masks need offsets"
+        )
+    require_chat_template(tokenizer, chat_template, source)
+
+
+def chat_ids(tokenizer: Any, messages: list[dict]) -> list[int]:
+    """Token ids of a conversation rendered for the assistant's next reply."""
+    require_chat_template(tokenizer, None, tokenizer.name_or_path or "the target")
+    text = _render(tokenizer, messages, None, True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def _render(tokenizer: Any, messages: list[dict], template: str | None, gen: bool) -> str:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from eagletools.atomic import atomic_file, write_text
+from eagletools.data.chat import chat_ids, require_chat_template
 from eagletools.data.conversations import Conversation
 from eagletools.errors import UserError
 
@@ -81,12 +82,6 @@ def regenerate_chunk(
     return [h for h in histories if any(m["role"] == "assistant" for m in h)]
 
 
-def _prompt_ids(tokenizer: Any, chat: Chat) -> list[int]:
-    """The history through the chat template, opened for the assistant's reply."""
-    text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
 def local_generator(
     target: Any, sampling: Sampling, batch_size: int = 8, max_prompt_tokens: int | None = None
 ) -> Generate:
@@ -101,11 +96,7 @@ def local_generator(
     from eagletools.decode.model import SUPPORTED
 
     tokenizer, model = target.tokenizer, target.model
-    if not tokenizer.chat_template:
-        raise UserError(
-            f"target {target.info.name_or_path}: its tokenizer has no chat template, "
-            "so replies cannot be generated; use an instruct model or --server"
-        )
+    require_chat_template(tokenizer, None, f"target {target.info.name_or_path}")
     pad_id = (
         tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     )
@@ -114,7 +105,7 @@ def local_generator(
         return _runtime_generator(target, sampling, batch_size, pad_id, max_prompt_tokens)
 
     def generate(chats: list[Chat]) -> list[str | None]:
-        ids_all = [_prompt_ids(tokenizer, c) for c in chats]
+        ids_all = [chat_ids(tokenizer, c) for c in chats]
         keep = [i for i, ids in enumerate(ids_all) if _fits(ids, max_prompt_tokens)]
         replies: list[str | None] = [None] * len(chats)
         for start in range(0, len(keep), batch_size):
@@ -163,7 +154,7 @@ def _runtime_generator(
     decode_sampling = DecodeSampling(temperature=sampling.temperature, top_p=sampling.top_p)
 
     def generate(chats: list[Chat]) -> list[str | None]:
-        ids = [_prompt_ids(tokenizer, c) for c in chats]
+        ids = [chat_ids(tokenizer, c) for c in chats]
         fitting = [i for i in range(len(ids)) if _fits(ids[i], max_prompt_tokens)]
         order = sorted(fitting, key=lambda i: len(ids[i]))  # little padding per batch
         replies: list[str | None] = [None] * len(ids)

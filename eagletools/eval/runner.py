@@ -17,13 +17,15 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from eagletools.data.chat import chat_ids, set_chat_template
 from eagletools.decode import BaselineDecoder, Result, Sampling, SpeculativeDecoder, Transformer
+from eagletools.devices import resolve_device
+from eagletools.dtypes import dtype_name, parse_dtype
 from eagletools.errors import UserError
 from eagletools.eval.benchmarks import Question
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 # (topk, depth, num_draft_tokens) shapes --autotune times: chains and small-to-large trees
 AUTOTUNE_GRID = (
     (1, 2, 3),
@@ -57,7 +59,12 @@ class Settings:
     autotune: bool = False
     autotune_prompts: int = 3
     allow_pickle: bool = False
-    device: str = "cpu"
+    device: str = "auto"  # resolved on construction: auto is CUDA where torch sees it, else CPU
+    chat_template: str | None = None  # a Jinja file or text, for tokenizers without one
+
+    def __post_init__(self) -> None:
+        self.dtype = dtype_name(self.dtype, "--dtype")
+        self.device = str(resolve_device(self.device))
 
     @property
     def sampling(self) -> Sampling:
@@ -75,12 +82,11 @@ class Decoders:
 def load_decoders(s: Settings) -> Decoders:
     from eagletools.target import load_target
 
-    if s.dtype not in DTYPES:
-        raise UserError(f"--dtype {s.dtype!r}: choose one of {', '.join(DTYPES)}")
     if s.threads:
         torch.set_num_threads(s.threads)
-    dtype = DTYPES[s.dtype]
+    dtype = parse_dtype(s.dtype)
     target = load_target(s.target, dtype=dtype, device=s.device)
+    set_chat_template(target.tokenizer, s.chat_template)
     runtime = Transformer.from_hf(target.model, dtype)
     baseline = BaselineDecoder(runtime, target.tokenizer)
     spec = None
@@ -105,17 +111,6 @@ def load_any_draft(spec: str, target, dtype, device, allow_pickle: bool = False)
     from eagletools.formats import load_draft
 
     return load_draft(spec, target=target, dtype=dtype, device=device, allow_pickle=allow_pickle)
-
-
-def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of a conversation rendered for the assistant's next reply."""
-    if not tokenizer.chat_template:
-        raise UserError(
-            "the target's tokenizer has no chat template: benchmarks need one to "
-            "render their questions (use a chat/instruct model)"
-        )
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tokenizer(text, add_special_tokens=False).input_ids
 
 
 def converse(

@@ -17,6 +17,7 @@ import torch
 
 from eagletools.atomic import atomic_dir
 from eagletools.draft import DraftConfig, Eagle3Draft
+from eagletools.dtypes import parse_dtype
 from eagletools.errors import UserError
 from eagletools.formats import eagle, hfconfig, speculators, training
 from eagletools.formats.tensors import DEFAULT_MAX_SHARD_BYTES
@@ -28,11 +29,6 @@ log = logging.getLogger(__name__)
 
 FORMATS = {m.NAME: m for m in (training, speculators, eagle)}  # detection order
 EMBED = "embed_tokens.weight"
-DTYPES = {
-    "fp32": torch.float32, "float32": torch.float32,
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-    "fp16": torch.float16, "float16": torch.float16,
-}  # fmt: skip
 
 
 @dataclass
@@ -45,14 +41,6 @@ class Checkpoint:
     @property
     def vocab(self) -> DraftVocab:
         return DraftVocab(self.tensors["d2t"], self.tensors["t2d"])
-
-
-def parse_dtype(name: str | torch.dtype) -> torch.dtype:
-    if isinstance(name, torch.dtype):
-        return name
-    if name not in DTYPES:
-        raise UserError(f"dtype {name!r}: choose one of {sorted(DTYPES)}")
-    return DTYPES[name]
 
 
 def _folder(path: str | Path) -> Path:

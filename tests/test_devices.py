@@ -1,0 +1,82 @@
+"""One device policy: `--device auto` by default on every command that runs a model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eagletools.cli import build_parser, main
+from eagletools.devices import resolve_device
+from eagletools.errors import UserError
+
+# every command that runs a model, with its required arguments
+MODEL_COMMANDS = [
+    ["eval", "--output-dir", "out"],
+    ["generate", "hello"],
+    ["data", "hidden-states", "--target", "t", "--data", "d", "--output-dir", "out"],
+    ["data", "regenerate", "--target", "t", "--data", "d", "--output", "o.jsonl"],
+]
+
+
+@pytest.fixture
+def fresh_state():
+    """accelerate's PartialState is a process-wide singleton: start and leave it unset."""
+    from accelerate import PartialState
+
+    PartialState._reset_state()
+    yield
+    PartialState._reset_state()
+
+
+@pytest.fixture
+def cuda(fresh_state, monkeypatch):
+    """A machine where torch sees CUDA (only resolution is tested: nothing runs on it)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+
+@pytest.mark.parametrize("argv", MODEL_COMMANDS, ids=lambda a: " ".join(a[:2]))
+def test_device_defaults_to_auto_everywhere(argv, cuda):
+    args = build_parser().parse_args(argv)
+    assert args.device == "auto"
+    assert resolve_device(args.device) == torch.device("cuda")
+
+
+def test_eval_settings_and_the_recipe_default_to_auto(cuda):
+    from eagletools.commands.generate import settings_from_args
+    from eagletools.config import EvalSection
+    from eagletools.eval.runner import Settings
+
+    assert Settings().device == "cuda"
+    args = build_parser().parse_args(["eval", "--output-dir", "out"])
+    assert settings_from_args(args).device == "cuda"
+    assert EvalSection().device == "auto"  # the pipeline's eval
+
+
+def test_auto_is_the_cpu_without_cuda(fresh_state, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == torch.device("cpu")
+    assert resolve_device("cpu") == torch.device("cpu")
+
+
+def test_cuda_without_cuda_is_a_clear_error(fresh_state, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(UserError, match="--device cuda: torch .* sees no CUDA device") as err:
+        resolve_device("cuda")
+    assert "use --device cpu" in str(err.value) and "make setup TORCH_SPEC=torch" in str(err.value)
+    with pytest.raises(UserError, match="not a device; use auto"):
+        resolve_device("gpu")
+    assert main(["generate", "--device", "cuda", "hello"]) == 2
+    assert "--device cuda: torch" in capsys.readouterr().err
+    argv = ["data", "hidden-states", "--target", "t", "--data", "d", "--output-dir", "o"]
+    assert main([*argv, "--device", "cuda"]) == 2
+    assert "sees no CUDA device" in capsys.readouterr().err
+
+
+def test_pipeline_eval_device_fails_before_training(fresh_state, monkeypatch, tmp_path):
+    from eagletools.config import load_config
+    from eagletools.pipeline import stages
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    config = load_config(overrides=["eval.device=cuda", "eval.benchmarks=[mt-bench]"])
+    with pytest.raises(UserError, match="eval.device cuda: torch"):
+        stages(config, tmp_path)
