@@ -1,6 +1,6 @@
 """Draft ids to target ids: map after the top-k, or scatter logits into the target vocab?
 
-Design notes 3.6 map after the top-k / argmax over the draft-vocab logits
+docs/design.md 3.6 maps after the top-k / argmax over the draft-vocab logits
 (`id + d2t[id]`, `eagletools.kernels.topk_d2t_reference`). The alternative
 scatters the draft logits into a `-inf` tensor of the target vocab, then takes
 the top-k there. Both give the same log-probs and target ids (checked here);
