@@ -7,19 +7,20 @@ import argparse
 from eagletools.commands import add_command
 from eagletools.dtypes import dtype_arg
 
-WRITABLE = ("eagle", "speculators", "training")
+WRITABLE = ("eagle", "speculators", "training", "gguf")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = add_command(
         subparsers, "convert",
         "Convert an EAGLE-3 draft checkpoint between eagle (SGLang, SpecForge, TensorRT-LLM), "
-        "speculators (vLLM) and eagletools training formats, checking it first",
+        "speculators (vLLM) and eagletools training formats, or to gguf (llama.cpp; needs "
+        "--target), checking it first",
         "eagletools convert runs/train/final runs/draft-vllm --to speculators "
         "--target smollm2-135m",
     )  # fmt: skip
     p.add_argument("src", help="checkpoint folder (format detected)")
-    p.add_argument("out", help="output folder (written atomically)")
+    p.add_argument("out", help="output folder, or .gguf file for --to gguf (written atomically)")
     p.add_argument("--to", required=True, choices=WRITABLE, help="output format")
     p.add_argument(
         "--dtype", type=dtype_arg, help="cast weights: bf16, fp16 or fp32 (default: keep)"

@@ -4,10 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
+import torch
+
 from eagletools.errors import UserError
+from eagletools.formats import gguf
 from eagletools.formats.checkpoint import (
+    EMBED,
+    Checkpoint,
     fit_to_target,
     load_checkpoint,
     parse_dtype,
@@ -31,19 +37,41 @@ def convert(
     """Read `src` (any format), check it, write it to `out` as `to`; returns the folder.
 
     With `target`, RoPE, max positions and default aux layers come from the
-    target, and the speculators verifier defaults to it.
+    target, and the speculators verifier defaults to it. `to="gguf"` writes
+    one file for llama.cpp and needs `target` (its tokenizer and config).
     """
     out = Path(out)
     if out.exists() and not force:
         raise UserError(f"{out}: already exists; pass --force to replace it")
+    if to == gguf.NAME:
+        if not target:
+            raise UserError(
+                "--to gguf needs --target: the GGUF draft carries the target's tokenizer and "
+                "takes its config (RoPE, context length, default aux layers)"
+            )
+        target_files = gguf.TargetFiles.resolve(target)  # before any slow load
     ckpt = load_checkpoint(src, allow_pickle=allow_pickle)
     log(f"read {ckpt.source} ({ckpt.format})")
+    if to == gguf.NAME:
+        gguf.check_supported(ckpt.config)
+        loaded = _target_for_gguf(target, with_embeddings, ckpt)
+        ckpt, notes = fit_to_target(ckpt, loaded)
+        for note in notes:
+            log(f"  from target: {note}")
+        tensors = dict(ckpt.tensors)
+        if not with_embeddings:
+            tensors.pop(EMBED, None)  # llama.cpp uses the target's
+        path = gguf.save_gguf(
+            ckpt.config, tensors, out, target_files, dtype=parse_dtype(dtype) if dtype else None
+        )
+        log(f"wrote {path} (gguf, llama.cpp {gguf.LLAMACPP_BUILD} eagle3)")
+        return path
     verifier_spec: str | dict | None = verifier
     if target:
-        from eagletools.target import load_target, resolve_spec
+        from eagletools.target import load_target_summary, resolve_spec
 
         cast = parse_dtype(dtype) if dtype else ckpt.tensors["fc.weight"].dtype
-        loaded = load_target(target, dtype=cast)  # its embeddings in the output's dtype
+        loaded = load_target_summary(target, dtype=cast)  # config + embeddings, no weights
         ckpt, notes = fit_to_target(ckpt, loaded)
         for note in notes:
             log(f"  from target: {note}")
@@ -63,3 +91,18 @@ def convert(
     )
     log(f"wrote {path} ({to})")
     return path
+
+
+def _target_for_gguf(spec: str, with_embeddings: bool, ckpt: Checkpoint) -> Any:
+    """The target to fit to: loaded when its embeddings are to be written, else its config alone.
+
+    Without weights its embedding is an empty [0, hidden] stand-in, so the
+    checks compare widths and nothing is copied.
+    """
+    from eagletools.target import TargetInfo, load_config, load_target
+
+    if with_embeddings and EMBED not in ckpt.tensors:
+        return load_target(spec, dtype=ckpt.tensors["fc.weight"].dtype)
+    info = TargetInfo.from_config(load_config(spec), spec)
+    model = SimpleNamespace(get_input_embeddings=lambda: torch.nn.Embedding(0, info.hidden_size))
+    return SimpleNamespace(model=model, info=info)

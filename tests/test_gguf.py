@@ -1,0 +1,198 @@
+"""`convert --to gguf`: the file llama.cpp 11434's own converter writes for the same draft.
+
+The pinned fixture (tests/data/gguf_llamacpp_11434.json) is the snapshot of
+`convert_hf_to_gguf.py --target-model-dir --outtype bf16` on the tiny case
+below; the live test reruns that converter when `make engine-llamacpp` has
+unpacked it, so the fixture cannot rot. Left out of every comparison:
+`general.name` (each tool names the file its own way) and `general.size_label`
+(llama.cpp's naming guess from the parameter count; the loader ignores both).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_model
+from test_formats import make_ckpt
+
+from eagletools.cli import main
+from eagletools.formats import save_checkpoint
+
+gguf = pytest.importorskip("gguf")
+
+ROOT = Path(__file__).resolve().parents[1]
+LLAMACPP = ROOT / ".engines" / "llama.cpp-11434.0.0"
+FIXTURE = Path(__file__).parent / "data" / "gguf_llamacpp_11434.json"
+EXCLUDED = {"general.name", "general.size_label"}
+VOCAB = 320
+TARGET_LAYERS = 6
+AUX_IDS = {"eagle": [2, 3, 3], "speculators": [1, 4, 5]}  # eagle: the target default (see docs)
+
+
+def byte_fallback_tokenizer():
+    """A Llama-2-style BPE (byte fallback, `▁` spaces) covering exactly VOCAB ids."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"<0x{b:02X}>": 3 + b for b in range(256)}
+    letters = "abcdefgh"
+    pieces = ["▁", *letters] + [f"▁{c}" for c in letters] + [a + b for a in letters for b in "ab"]
+    merges = [("▁", c) for c in letters] + [(a, b) for a in letters for b in "ab"]
+    for piece in pieces:
+        vocab.setdefault(piece, len(vocab))
+    for i in range(len(vocab), VOCAB):
+        vocab[f"w{i}"] = i
+    tok = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+         decoders.Strip(" ", 1, 0)]
+    )  # fmt: skip
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+        chat_template="{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}",
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory) -> Path:
+    """A tiny target folder and one bf16 draft for it in each layout our convert writes."""
+    root = tmp_path_factory.mktemp("gguf")
+    target = tiny_model(
+        "llama", num_hidden_layers=TARGET_LAYERS, vocab_size=VOCAB, max_position_embeddings=2048
+    )
+    target.save_pretrained(root / "target")
+    byte_fallback_tokenizer().save_pretrained(root / "target")
+    for layout, ids in AUX_IDS.items():
+        ckpt = make_ckpt(vocab_size=VOCAB, aux_layer_ids=ids)
+        save_checkpoint(ckpt, root / layout, layout, dtype="bf16")
+    return root
+
+
+def ours(case: Path, layout: str) -> Path:
+    out = case / f"ours-{layout}.gguf"
+    if not out.exists():
+        args = ["convert", str(case / layout), str(out), "--to", "gguf"]
+        assert main([*args, "--target", str(case / "target")]) == 0
+    return out
+
+
+def snapshot(path: Path) -> dict:
+    """Tensor names, types, shapes and every metadata value (long arrays by digest)."""
+    reader = gguf.GGUFReader(path)
+    meta = {}
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name in EXCLUDED:
+            continue
+        value = field.contents()
+        if isinstance(value, list) and len(value) > 16:
+            value = {"len": len(value), "sha256": hashlib.sha256(repr(value).encode()).hexdigest()}
+        types = [t.name for t in field.types]
+        meta[field.name] = {"types": types, "value": value}
+    tensors = {
+        t.name: {"type": t.tensor_type.name, "shape": [int(n) for n in t.shape]}
+        for t in reader.tensors
+    }
+    return {"metadata": meta, "tensors": tensors}
+
+
+def tensor_bytes(path: Path) -> dict[str, bytes]:
+    return {t.name: t.data.tobytes() for t in gguf.GGUFReader(path).tensors}
+
+
+def test_matches_llamacpp_11434_pinned(case):
+    expected = json.loads(FIXTURE.read_text())
+    assert snapshot(ours(case, "eagle")) == {k: expected[k] for k in ("metadata", "tensors")}
+
+
+def llamacpp_convert(case: Path, layout: str) -> Path:
+    out = case / f"llamacpp-{layout}.gguf"
+    if out.exists():
+        return out
+    env = dict(os.environ, PYTHONPATH=str(LLAMACPP / "gguf-py"))
+    cmd = [
+        sys.executable, str(LLAMACPP / "convert_hf_to_gguf.py"), str(case / layout),
+        "--target-model-dir", str(case / "target"), "--outtype", "bf16", "--outfile", str(out),
+    ]  # fmt: skip
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return out
+
+
+@pytest.mark.parametrize("layout", sorted(AUX_IDS))
+def test_matches_llamacpp_converter_live(case, layout):
+    if not (LLAMACPP / "convert_hf_to_gguf.py").is_file():
+        pytest.skip("llama.cpp 11434 source not unpacked: make engine-llamacpp")
+    pytest.importorskip("sentencepiece", reason="llama.cpp's converter imports it")
+    theirs, mine = llamacpp_convert(case, layout), ours(case, layout)
+    assert snapshot(mine) == snapshot(theirs)
+    assert tensor_bytes(mine) == tensor_bytes(theirs)  # bitwise: bf16, f32 and the i64 d2t
+    layers = gguf.GGUFReader(mine).fields["eagle3.target_layers"].contents()
+    assert layers == AUX_IDS[layout]  # HF indexing as trained (eagle file: ids - 1 on disk)
+
+
+def test_pinned_fixture_is_llamacpps_output(case):
+    """When the converter is here, the fixture is exactly its snapshot.
+
+    EAGLETOOLS_UPDATE_GGUF_FIXTURE=1 rewrites it (only when the pinned llama.cpp changes).
+    """
+    if not (LLAMACPP / "convert_hf_to_gguf.py").is_file():
+        pytest.skip("llama.cpp 11434 source not unpacked: make engine-llamacpp")
+    pytest.importorskip("sentencepiece", reason="llama.cpp's converter imports it")
+    theirs = snapshot(llamacpp_convert(case, "eagle"))
+    if os.environ.get("EAGLETOOLS_UPDATE_GGUF_FIXTURE") == "1":
+        made = {
+            "made_by": "llama.cpp 11434 convert_hf_to_gguf.py --outtype bf16 (tests/test_gguf.py)"
+        }
+        FIXTURE.write_text(json.dumps(made | theirs, indent=1, sort_keys=True) + "\n")
+    expected = json.loads(FIXTURE.read_text())
+    assert theirs == {k: expected[k] for k in ("metadata", "tensors")}
+
+
+def test_needs_target(case, capsys):
+    assert main(["convert", str(case / "eagle"), str(case / "x.gguf"), "--to", "gguf"]) == 2
+    assert (
+        "needs --target: the GGUF draft carries the target's tokenizer" in capsys.readouterr().err
+    )
+    assert not (case / "x.gguf").exists()
+
+
+def test_target_without_tokenizer(case, tmp_path, capsys):
+    (tmp_path / "bare").mkdir()
+    (tmp_path / "bare" / "config.json").write_text((case / "target" / "config.json").read_text())
+    args = ["convert", str(case / "eagle"), str(tmp_path / "x.gguf"), "--to", "gguf"]
+    assert main([*args, "--target", str(tmp_path / "bare")]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'bare'}: no tokenizer.json" in err
+    assert not (tmp_path / "x.gguf").exists()
+
+
+@pytest.mark.parametrize("option", ["fc_norm", "norm_output"])
+def test_eagle31_options_are_refused(case, tmp_path, option, capsys):
+    save_checkpoint(make_ckpt(vocab_size=VOCAB, **{option: True}), tmp_path / "d", "speculators")
+    args = ["convert", str(tmp_path / "d"), str(tmp_path / "x.gguf"), "--to", "gguf"]
+    assert main([*args, "--target", str(case / "target")]) == 2
+    err = capsys.readouterr().err
+    assert option in err and "--to speculators (vLLM)" in err
+    assert not (tmp_path / "x.gguf").exists()
+
+
+def test_qk_permutation_is_ggml_pair_layout(case):
+    """Row 2i/2i+1 of each GGUF q head are rows i/i+hd/2 of the HF head (GGML's normal RoPE)."""
+    from safetensors.torch import load_file
+
+    src = load_file(case / "eagle" / "model.safetensors")["midlayer.self_attn.q_proj.weight"]
+    q = next(
+        t for t in gguf.GGUFReader(ours(case, "eagle")).tensors if t.name == "blk.0.attn_q.weight"
+    )
+    got = torch.from_numpy(q.data.copy()).view(torch.bfloat16).reshape(src.shape)
+    hd = 16
+    assert torch.equal(got[0], src[0]) and torch.equal(got[1], src[hd // 2])
+    assert torch.equal(got[hd + 2], src[hd + 1]) and torch.equal(got[hd + 3], src[hd + 1 + hd // 2])
