@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 from eagletools.atomic import atomic_file, write_text
+from eagletools.data.batch import Batch, pad_right
 from eagletools.errors import UserError
-from eagletools.train.data import Batch, pad_right
 
 log = logging.getLogger(__name__)
 

@@ -9,42 +9,12 @@ on one.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
+from eagletools.data.batch import Batch, SampleSource, pad_right
 from eagletools.errors import UserError
-
-
-@dataclass
-class Batch:
-    input_ids: torch.Tensor  # [B,T] right-padded
-    loss_mask: torch.Tensor  # [B,T]
-    attention_mask: torch.Tensor  # [B,T]
-    aux: torch.Tensor | None = None  # [B,T,A*Ht] offline only
-    last_hidden: torch.Tensor | None = None  # [B,T,Ht] offline only
-    indices: list[int] | None = None  # the samples' indices in their source
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.attention_mask.sum())
-
-
-class SampleSource(Protocol):
-    """What the trainer needs from online (token lists) or offline (cache) data."""
-
-    def __len__(self) -> int: ...
-    def length(self, index: int) -> int: ...
-    def loss_mask(self, index: int) -> torch.Tensor: ...
-    def batch(self, indices: list[int]) -> Batch: ...
-
-
-def pad_right(rows: list[torch.Tensor], length: int, value: float = 0) -> torch.Tensor:
-    out = rows[0].new_full((len(rows), length, *rows[0].shape[1:]), value)
-    for i, row in enumerate(rows):
-        out[i, : row.shape[0]] = row
-    return out
 
 
 class TokenSamples:
