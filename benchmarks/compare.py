@@ -27,6 +27,7 @@ from pathlib import Path
 
 from eagletools.atomic import write_text
 from eagletools.decode import SpeculativeDecoder
+from eagletools.dtypes import dtype_arg
 from eagletools.eval.benchmarks import load_benchmark
 from eagletools.eval.runner import Settings, chat_ids, hf_generate, load_decoders, machine
 
@@ -88,7 +89,7 @@ def main() -> None:
     p.add_argument("--assistant", help="a smaller HF model with the target's tokenizer")
     p.add_argument("--num-prompts", type=int, default=20)
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="bfloat16", type=dtype_arg)
     p.add_argument("--tree", default="4,5,16", help="topk,depth,num_draft_tokens of our tree")
     p.add_argument("--chain-depth", type=int, default=5)
     p.add_argument("--prompt-lookup-tokens", type=int, default=10)

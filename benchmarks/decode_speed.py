@@ -18,6 +18,7 @@ import json
 import statistics
 
 from eagletools.atomic import write_text
+from eagletools.dtypes import dtype_arg
 from eagletools.eval.benchmarks import load_benchmark
 from eagletools.eval.runner import Settings, run_eval
 
@@ -57,7 +58,7 @@ def main() -> None:
     p.add_argument("--draft", help="checkpoint or random[:SEED]; without it no speculative run")
     p.add_argument("--num-prompts", type=int, default=5)
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="bfloat16", type=dtype_arg)
     p.add_argument("--topk", type=int, default=4)
     p.add_argument("--depth", type=int, default=5)
     p.add_argument("--num-draft-tokens", type=int, default=16)
