@@ -288,8 +288,8 @@ def _iter_hub(
         ) from err
     except OSError as err:
         raise UserError(
-            f"hub dataset {repo}: cannot load it ({err}); check the id and --data-revision, "
-            "and for a gated dataset log in (huggingface-cli login or HF_TOKEN)"
+            f"hub dataset {repo} (no local path of that name): cannot load it ({err}); check "
+            "the id and --data-revision, and for a gated dataset log in (hf auth login or HF_TOKEN)"
         ) from err
     report.notes.append(
         f"hub split {hub.split!r}, revision {hub.revision or 'default'}"
