@@ -239,3 +239,27 @@ def test_smollm2_greedy_lossless_and_equal_to_hf():
             torch.tensor([ids]), max_new_tokens=32, do_sample=False, eos_token_id=eos
         )
         assert hf[0, len(ids) :].tolist() == expected
+
+
+def _full_sort_top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The reference: the whole vocabulary sorted; ties of the last kept token kept too."""
+    sorted_p, order = probs.sort(-1, descending=True)
+    drop = sorted_p.cumsum(-1) - sorted_p > top_p
+    keep = ~drop.scatter(-1, order, drop)
+    floor = probs.masked_fill(~keep, 2.0).min(-1, keepdim=True).values
+    return probs.masked_fill(probs < floor, 0.0)
+
+
+@pytest.mark.parametrize("scale", [0.1, 1.0, 4.0, 30.0])  # flat (long candidate sort) to peaked
+@pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 0.999])
+def test_top_p_without_a_full_sort_equals_the_full_sort(scale, top_p):
+    from eagletools.decode.engine import nucleus_floor
+
+    g = torch.Generator().manual_seed(int(scale * 10))
+    logits = (torch.randn(12, 49152, generator=g) * scale).bfloat16().float()  # bf16: many ties
+    probs = logits.softmax(-1)
+    got = probs.masked_fill(probs < nucleus_floor(probs, top_p), 0.0)
+    assert torch.equal(got, _full_sort_top_p(probs, top_p))
+    expected = _full_sort_top_p(probs, top_p)
+    expected = expected / expected.sum(-1, keepdim=True)
+    assert torch.equal(Sampling(temperature=1.0, top_p=top_p).probs(logits), expected)

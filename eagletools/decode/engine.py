@@ -52,11 +52,46 @@ class Sampling:
             logits = logits.masked_fill(logits < kth, float("-inf"))
         probs = logits.softmax(-1)
         if self.top_p < 1:
-            sorted_p, order = probs.sort(-1, descending=True)
-            drop = sorted_p.cumsum(-1) - sorted_p > self.top_p  # mass before it already enough
-            probs = probs.masked_fill(drop.scatter(-1, order, drop), 0.0)
+            probs = probs.masked_fill(probs < nucleus_floor(probs, self.top_p), 0.0)
             probs = probs / probs.sum(-1, keepdim=True)
         return probs
+
+
+def nucleus_floor(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """[..., V] -> [..., 1]: the least probability top-p keeps.
+
+    In descending order a token is kept while the mass before it is at most
+    `top_p`; ties of the last kept one are kept too, whatever their order.
+    Tokens under (1 - top_p) / 2V hold less than 1 - top_p together, so the
+    others reach past `top_p` and only they are sorted: a few hundred for a
+    peaked distribution instead of the vocabulary. Should rounding leave a row
+    short of `top_p`, the whole vocabulary is sorted.
+    """
+    vocab = probs.shape[-1]
+    rows = probs.reshape(-1, vocab)
+    for least in ((1 - top_p) / (2 * vocab), 0.0):
+        top = _descending_at_least(rows, least)
+        past = top.cumsum(-1) - top > top_p  # mass before it already enough
+        if least == 0 or bool(past.any(-1).all()):
+            break
+    # first dropped position; none (everything kept) points at the zero padding
+    kept = torch.where(past.any(-1, keepdim=True), past.int().argmax(-1, keepdim=True), -1)
+    return top.gather(-1, kept - (kept > 0).long()).view(*probs.shape[:-1], 1)
+
+
+def _descending_at_least(rows: torch.Tensor, least: float) -> torch.Tensor:
+    """[R, V] -> [R, n+1]: each row's values >= `least` in descending order, zero-padded."""
+    keep = rows >= least
+    counts = keep.sum(-1)
+    values = rows[keep]
+    row_of = torch.repeat_interleave(torch.arange(len(rows), device=rows.device), counts)
+    order = values.sort(descending=True, stable=True).indices
+    order = order[row_of[order].sort(stable=True).indices]  # by row, descending within
+    values, row_of = values[order], row_of[order]
+    column = torch.arange(len(values), device=rows.device) - (counts.cumsum(0) - counts)[row_of]
+    out = rows.new_zeros(len(rows), int(counts.max()) + 1)
+    out[row_of, column] = values
+    return out
 
 
 @dataclass
