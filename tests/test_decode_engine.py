@@ -263,3 +263,49 @@ def test_top_p_without_a_full_sort_equals_the_full_sort(scale, top_p):
     expected = _full_sort_top_p(probs, top_p)
     expected = expected / expected.sum(-1, keepdim=True)
     assert torch.equal(Sampling(temperature=1.0, top_p=top_p).probs(logits), expected)
+
+
+def _streamed_by_full_decodes(tokenizer, steps, stop_strings):
+    """The reference: decode every token so far at every step (what `_Stopper` did)."""
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    tokens, chunks, streamed, hold = [], [], 0, max(map(len, stop_strings), default=1) - 1
+    for step in steps:
+        for n in range(len(tokens) + 1, len(tokens) + len(step) + 1):
+            if any(s in decode((tokens + step)[:n]) for s in stop_strings):
+                text = decode((tokens + step)[:n])
+                final = text[: min(text.find(s) for s in stop_strings if s in text)]
+                return chunks + [final[streamed:]] * (len(final) > streamed), final
+        tokens += step
+        text = decode(tokens).rstrip("\ufffd")
+        text = text[: len(text) - hold]
+        if len(text) > streamed:
+            chunks.append(text[streamed:])
+            streamed = len(text)
+    final = decode(tokens)
+    return chunks + [final[streamed:]] * (len(final) > streamed), final
+
+
+@pytest.mark.parametrize("name", ["byt5", "smollm2"])
+def test_incremental_text_streams_what_full_decodes_stream(name, tokenizer):
+    from eagletools.decode.engine import _Stopper
+
+    if name == "smollm2":
+        from eagletools.target import load_tokenizer
+
+        tokenizer = load_tokenizer("smollm2-135m")
+    g = torch.Generator().manual_seed(0)
+    text = "Größe 👍🏽 naïve — «quoted» , ok . Hello ,world!\n\n  def f(x):\n\treturn x ** 2 ⚡"
+    ids = tokenizer(text * 3, add_special_tokens=False).input_ids
+    # split into runs of 1-5 tokens (accepted drafts), bytes of characters split between runs
+    cuts = torch.randint(1, 6, (len(ids),), generator=g).cumsum(0).tolist()
+    steps = [ids[a:b] for a, b in zip([0, *cuts], cuts, strict=False) if a < len(ids)]
+    for stop_strings in ([], ["Hello ,w"], ["ö"], ["x ** 2 ⚡"]):
+        stopper = _Stopper(
+            tokenizer, set(), len(ids) + 1, stop_strings, on_text=(chunks := []).append
+        )
+        for step in steps:
+            if stopper.add(step):
+                break
+        else:
+            stopper.give_up("context")
+        assert (chunks, stopper.text) == _streamed_by_full_decodes(tokenizer, steps, stop_strings)

@@ -119,18 +119,58 @@ class Result:
         return len(self.tokens) / self.seconds if self.seconds > 0 else 0.0
 
 
+class _Text:
+    """`decode(tokens)` of a growing token list, decoding a few tokens per step.
+
+    Each step decodes a window from the start of the last complete piece (so
+    a leading space or a clean-up sees its left context) and appends what the
+    new tokens add; while the new tokens hold a partial multi-byte character
+    the window keeps growing, so it always starts at a whole character. Where the window's text does not
+    extend its context (a tokenizer whose clean-up looks further back), the
+    whole text is decoded.
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.tokens: list[int] = []
+        self.text = ""
+        self.done = ""  # text of tokens[: self.read]: final, whatever follows
+        self.start = self.read = 0  # the window: tokens[start:], context tokens[start:read]
+        self.context = ""
+
+    def _decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    def append(self, token: int) -> None:
+        self.tokens.append(token)
+        window = self._decode(self.tokens[self.start :])
+        if not window.startswith(self.context):
+            self.text = self._decode(self.tokens)
+            return
+        self.text = self.done + window[len(self.context) :]
+        # a partial character decodes as U+FFFD (or as nothing, with errors="ignore")
+        if len(window) > len(self.context) and not window.endswith("\ufffd"):
+            self.start, self.read, self.done = self.read, len(self.tokens), self.text
+            self.context = self._decode(self.tokens[self.start :])
+
+
 class _Stopper:
-    """EOS, max tokens and stop strings; streams text as it becomes final."""
+    """EOS, max tokens and stop strings; streams text as it becomes final.
+
+    The text grows by `_Text`, and stop strings are searched for only where
+    the new tokens could have completed one.
+    """
 
     def __init__(self, tokenizer, eos: set[int], max_new_tokens: int, stop_strings, on_text):
-        self.tokenizer = tokenizer
         self.max_new_tokens = max_new_tokens
         self.stop_strings = [s for s in stop_strings if s]
         if self.stop_strings and tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
+        self.longest = max(map(len, self.stop_strings), default=0)
         self.eos = eos
         self.on_text = on_text
         self.tokens: list[int] = []
+        self.decoded = _Text(tokenizer) if tokenizer is not None else None
         self.text = ""
         self.streamed = 0  # characters of `text` given to on_text
         self.reason = ""
@@ -141,42 +181,36 @@ class _Stopper:
         self._emit(final=True)
 
     def add(self, new_tokens: Sequence[int]) -> bool:
-        """Append tokens; True once generation must stop (the tokens are then cut)."""
-        for i, tok in enumerate(new_tokens):
+        """Append tokens; True once generation must stop (at a stop string, cut there)."""
+        for tok in new_tokens:
             self.tokens.append(tok)
+            if self.decoded is not None:
+                final_before = len(self.decoded.done)
+                self.decoded.append(tok)
             if tok in self.eos:
                 self.reason = "eos"
             elif len(self.tokens) >= self.max_new_tokens:
                 self.reason = "max_tokens"
-            elif self.stop_strings and i == len(new_tokens) - 1:
-                self._check_strings(len(new_tokens))
+            elif self.stop_strings:
+                tail = self.decoded.text[max(0, final_before - self.longest + 1) :]
+                if any(s in tail for s in self.stop_strings):
+                    self.reason = "stop_string"
             if self.reason:
                 break
         self._emit(final=bool(self.reason))
         return bool(self.reason)
 
-    def _check_strings(self, added: int) -> None:
-        decode = self.tokenizer.decode
-        if not any(s in decode(self.tokens, skip_special_tokens=True) for s in self.stop_strings):
-            return
-        for n in range(len(self.tokens) - added + 1, len(self.tokens) + 1):  # first hit
-            text = decode(self.tokens[:n], skip_special_tokens=True)
-            if any(s in text for s in self.stop_strings):
-                del self.tokens[n:]
-                self.reason = "stop_string"
-                return
-
     def _emit(self, final: bool) -> None:
-        if self.tokenizer is None or not (final or self.on_text):
-            return  # nobody reads the text before the end
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if self.decoded is None:
+            return
+        text = self.decoded.text
         if final and self.reason == "stop_string":
             text = text[: min(text.find(s) for s in self.stop_strings if s in text)]
         self.text = text
         if not final:
             text = text.rstrip("\ufffd")  # a multi-byte character still incomplete
             if self.stop_strings:  # hold back what could begin a stop string
-                text = text[: len(text) - max(len(s) for s in self.stop_strings) + 1]
+                text = text[: len(text) - self.longest + 1]
         if (
             self.on_text
             and len(text) > self.streamed
