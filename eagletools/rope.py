@@ -17,7 +17,19 @@ def rope_frequencies(
     rope_scaling: dict | None = None,
     max_position_embeddings: int = 2048,
 ) -> tuple[torch.Tensor, float]:
-    """(inv_freq [head_dim/2] fp32, attention scaling) for a RoPE configuration."""
+    """(inv_freq [head_dim/2] fp32 on the CPU, attention scaling) for a RoPE configuration.
+
+    On the CPU even under a meta-device context: a module built on meta
+    (shape checks, weight copies) still gets real frequencies, and no meta op
+    pulls in torch._dynamo (~170 MB).
+    """
+    with torch.device("cpu"):
+        return _frequencies(head_dim, rope_theta, rope_scaling, max_position_embeddings)
+
+
+def _frequencies(
+    head_dim: int, rope_theta: float, rope_scaling: dict | None, max_position_embeddings: int
+) -> tuple[torch.Tensor, float]:
     rope_type = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
     if rope_type == "default":
         exponent = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
@@ -29,14 +41,15 @@ def rope_frequencies(
     if rope_type not in ROPE_INIT_FUNCTIONS:
         known = ", ".join(["default", *ROPE_INIT_FUNCTIONS])
         raise ValueError(f"unknown rope_scaling type {rope_type!r}; known: {known}")
-    params = {k: v for k, v in rope_scaling.items() if k != "type"}
-    params.update(rope_type=rope_type, rope_theta=rope_theta)
+    params = {k: v for k, v in rope_scaling.items() if k not in ("type", "rope_theta")}
+    # the transformers 4 spelling, which transformers 5 still accepts and converts
     config = LlamaConfig(
         hidden_size=head_dim,
         num_attention_heads=1,
         head_dim=head_dim,
         max_position_embeddings=max_position_embeddings,
-        rope_parameters=params,
+        rope_theta=rope_theta,
+        rope_scaling={**params, "rope_type": rope_type},
     )
     inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None)
     return inv_freq.float(), float(scaling)

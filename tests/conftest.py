@@ -64,3 +64,33 @@ def tiny_draft_config(**overrides):
     fields = dict(**TINY_SIZES, head_dim=16, draft_vocab_size=100, target_hidden_size=64)
     fields.update(overrides)
     return DraftConfig(**fields)
+
+
+# Llama-3.1's RoPE: what transformers 4 dropped when only `rope_parameters` was read
+LLAMA31_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+def llama31_model(seed: int = 0, **overrides):
+    """A tiny Llama with Llama-3.1's RoPE (theta 500k, llama3 scaling) and 131,072 positions."""
+    rope = {**LLAMA31_ROPE, "rope_theta": 500000.0}
+    return tiny_model(
+        "llama", seed, rope_parameters=rope, max_position_embeddings=131072, **overrides
+    )
+
+
+def transformers4_spelling(config):
+    """`config` as transformers 4 spells it: `rope_theta` beside a `rope_scaling`
+    keyed by the old `type`, and no `rope_parameters`."""
+    from types import SimpleNamespace
+
+    fields = {k: v for k, v in config.to_dict().items() if not k.startswith("rope_")}
+    scaling = {k: v for k, v in config.rope_parameters.items() if k != "rope_theta"}
+    scaling["type"] = scaling.pop("rope_type")
+    theta = config.rope_parameters["rope_theta"]
+    return SimpleNamespace(**fields, rope_theta=theta, rope_scaling=scaling)

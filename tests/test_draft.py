@@ -137,3 +137,20 @@ def test_config_round_trips_and_rejects_unknown_keys():
     assert DraftConfig.from_dict(config.to_dict()) == config
     with pytest.raises(UserError, match="unknown fields \\['hiden_size'\\]"):
         DraftConfig.from_dict({**config.to_dict(), "hiden_size": 3}, source="x/config.json")
+
+
+def test_from_target_keeps_llama31_rope_in_both_transformers_spellings():
+    """Under transformers 4 (`rope_theta` + `rope_scaling`) the llama3 scaling used to be
+    dropped: the draft then rotated long prompts unlike its target."""
+    from conftest import LLAMA31_ROPE, llama31_model, transformers4_spelling
+
+    model = llama31_model()
+    hf_inv_freq = model.model.rotary_emb.inv_freq
+    for config in (model.config, transformers4_spelling(model.config)):
+        model.config = config
+        draft = Eagle3Draft.from_target(model)
+        c = draft.config
+        assert (c.rope_theta, c.rope_scaling, c.max_position_embeddings) == (
+            500000.0, LLAMA31_ROPE, 131072,
+        )  # fmt: skip
+        torch.testing.assert_close(draft.rotary.inv_freq, hf_inv_freq, rtol=0, atol=0)

@@ -176,3 +176,31 @@ def test_dequantised_cache_equals_direct_gguf_load(smollm2):
     with torch.no_grad():
         torch.testing.assert_close(smollm2.model(ids).logits, direct(ids).logits, rtol=0, atol=0)
     assert smollm2.tokenizer.chat_template and smollm2.tokenizer.eos_token == "<|im_end|>"
+
+
+def test_rope_of_reads_both_spellings():
+    """transformers 5 objects, transformers 4 objects, and both config.json spellings."""
+    from conftest import LLAMA31_ROPE, llama31_model, transformers4_spelling
+
+    from eagletools.target import TargetInfo, rope_of
+
+    config = llama31_model().config
+    old = transformers4_spelling(config)
+    as_json = {"rope_scaling": dict(old.rope_scaling), "rope_theta": 500000.0}
+    for spelled in (config, old, config.to_dict(), as_json, {"text_config": as_json}):
+        assert rope_of(spelled) == (500000.0, LLAMA31_ROPE)
+    info = TargetInfo.from_config(old, "x")
+    assert (info.rope_theta, info.rope_scaling) == (500000.0, LLAMA31_ROPE)
+    assert rope_of({}) == (10000.0, None)
+    assert rope_of({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}) == (1e6, None)
+
+
+def test_anatomy_names_the_module_tree():
+    from eagletools.target import decoder_layers, embed_tokens, final_norm, lm_head
+
+    model = tiny_model("qwen3")
+    assert decoder_layers(model) is model.model.layers
+    assert final_norm(model) is model.model.norm
+    assert embed_tokens(model) is model.model.embed_tokens and lm_head(model) is model.lm_head
+    with pytest.raises(TypeError, match="Linear"):
+        decoder_layers(torch.nn.Linear(2, 2))

@@ -32,9 +32,9 @@ def run(args: argparse.Namespace) -> int:
     ckpt = load_checkpoint(args.ckpt, allow_pickle=args.allow_pickle)
     target = None
     if args.target:
-        from eagletools.target import load_target
+        from eagletools.target import load_target_summary
 
-        target = load_target(args.target)
+        target = load_target_summary(args.target)
     report = describe(ckpt, target)
     print(json.dumps(report, indent=2) if args.json else render(report))
     return 0 if report["ok"] else 1

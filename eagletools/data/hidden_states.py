@@ -30,6 +30,7 @@ import torch
 from eagletools.atomic import atomic_file, write_text
 from eagletools.data.batch import Batch, pad_right
 from eagletools.errors import UserError
+from eagletools.target.anatomy import decoder_layers, embed_tokens, final_norm, lm_head
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +44,8 @@ def target_fingerprint(model: torch.nn.Module) -> str:
     config = model.config
     for name in ("model_type", "num_hidden_layers", "hidden_size", "vocab_size"):
         digest.update(f"{name}={getattr(config, name, None)};".encode())
-    base = model.model
-    pieces = [base.norm.weight, model.get_output_embeddings().weight[:64],
-              base.layers[0].self_attn.q_proj.weight[:16]]  # fmt: skip
+    pieces = [final_norm(model).weight, lm_head(model).weight[:64],
+              decoder_layers(model)[0].self_attn.q_proj.weight[:16]]  # fmt: skip
     for p in pieces:
         digest.update(p.detach().to(torch.bfloat16).float().cpu().numpy().tobytes())
     return digest.hexdigest()[:32]
@@ -167,9 +167,9 @@ def _write_head(target: Any, root: Path) -> None:
 
     model = target.model
     head = {
-        "embed_tokens.weight": model.get_input_embeddings().weight,
-        "lm_head.weight": model.get_output_embeddings().weight,
-        "norm.weight": model.model.norm.weight,
+        "embed_tokens.weight": embed_tokens(model).weight,
+        "lm_head.weight": lm_head(model).weight,
+        "norm.weight": final_norm(model).weight,
     }
     head = {k: v.detach().to(torch.bfloat16).cpu().contiguous().clone() for k, v in head.items()}
     (root / "target").mkdir(parents=True, exist_ok=True)
@@ -277,9 +277,9 @@ class HiddenStateCache:
         def param(name: str) -> torch.nn.Parameter:
             return torch.nn.Parameter(head[name], requires_grad=False)
 
-        model.model.embed_tokens.weight = param("embed_tokens.weight")
-        model.lm_head.weight = param("lm_head.weight")
-        model.model.norm.weight = param("norm.weight")
+        embed_tokens(model).weight = param("embed_tokens.weight")
+        lm_head(model).weight = param("lm_head.weight")
+        final_norm(model).weight = param("norm.weight")
         return model
 
     # -- SampleSource -------------------------------------------------------

@@ -9,6 +9,8 @@ a tree mask. Both use `qkv` before and `finish` after their attention.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +19,28 @@ from torch import nn
 
 from eagletools.draft.config import DraftConfig
 from eagletools.rope import RotaryEmbedding, apply_rope
+from eagletools.target import anatomy
+
+_INITIALISERS = ("normal_", "uniform_", "kaiming_uniform_", "trunc_normal_", "zeros_", "ones_")
+
+
+@contextmanager
+def meta_device() -> Iterator[None]:
+    """Build modules on the meta device without running their initialisers.
+
+    Initialising a meta tensor computes nothing, yet its first use imports
+    torch._dynamo (~170 MB of memory and seconds on 2 cores): shape checks
+    and weight copies only need the structure.
+    """
+    saved = {name: getattr(nn.init, name) for name in _INITIALISERS}
+    for name in _INITIALISERS:
+        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        with torch.device("meta"):
+            yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
 
 
 class RMSNorm(nn.Module):
@@ -172,16 +196,13 @@ class Eagle3Draft(nn.Module):
         """
         from eagletools.vocab import DraftVocab
 
-        tc = model.config
-        n_layers = tc.num_hidden_layers
+        tc = anatomy.text_config(model.config)
         if aux_layer_ids is None:
-            aux_layer_ids = [2, n_layers // 2, n_layers - 3]
+            aux_layer_ids = anatomy.default_aux_layer_ids(tc.num_hidden_layers)
         vocab_size = tc.vocab_size
         if draft_vocab is None:
             draft_vocab = DraftVocab.identity(vocab_size)
-        rope = dict(getattr(tc, "rope_parameters", None) or {})
-        rope_theta = rope.pop("rope_theta", getattr(tc, "rope_theta", 10000.0))
-        rope_scaling = rope if rope.get("rope_type", "default") != "default" else None
+        rope_theta, rope_scaling = anatomy.rope_of(tc)
         fields = dict(
             hidden_size=tc.hidden_size,
             intermediate_size=tc.intermediate_size,
@@ -194,21 +215,20 @@ class Eagle3Draft(nn.Module):
             num_aux_states=len(aux_layer_ids),
             aux_layer_ids=list(aux_layer_ids),
             rms_norm_eps=tc.rms_norm_eps,
-            rope_theta=float(rope_theta),
+            rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=tc.max_position_embeddings,
         )
         fields.update(overrides)
         draft = cls(DraftConfig(**fields))
-        target_embed = model.get_input_embeddings().weight.detach()
         with torch.no_grad():
-            draft.embed_tokens.weight.copy_(target_embed.float())
+            draft.embed_tokens.weight.copy_(anatomy.embed_tokens(model).weight.float())
             draft.d2t.copy_(draft_vocab.d2t)
             draft.t2d.copy_(draft_vocab.t2d)
             if init_head_from_target and draft.config.hidden_size == tc.hidden_size:
                 rows = torch.arange(draft.config.draft_vocab_size) + draft_vocab.d2t
-                draft.lm_head.weight.copy_(model.get_output_embeddings().weight[rows].float())
-                draft.norm.weight.copy_(model.model.norm.weight.float())
+                draft.lm_head.weight.copy_(anatomy.lm_head(model).weight[rows].float())
+                draft.norm.weight.copy_(anatomy.final_norm(model).weight.float())
         return draft
 
     def fuse_aux(self, aux: torch.Tensor) -> torch.Tensor:

@@ -21,8 +21,8 @@ from eagletools.dtypes import parse_dtype
 from eagletools.errors import UserError
 from eagletools.formats import eagle, hfconfig, speculators, training
 from eagletools.formats.tensors import DEFAULT_MAX_SHARD_BYTES
-from eagletools.formats.validate import check_tensors, normalize_rope, target_problems
-from eagletools.target import default_aux_layer_ids
+from eagletools.formats.validate import check_tensors, target_problems
+from eagletools.target import default_aux_layer_ids, normalize_rope_scaling
 from eagletools.vocab import DraftVocab
 
 log = logging.getLogger(__name__)
@@ -138,14 +138,15 @@ def save_checkpoint(
 
 
 def fit_to_target(ckpt: Checkpoint, target: Any) -> tuple[Checkpoint, list[str]]:
-    """Take RoPE, max positions, default aux ids and missing embeddings from `target`.
+    """Take RoPE, max positions, default aux ids and missing embeddings from `target`
+    (a `Target`, or a `TargetSummary`: its config and embeddings, no weights).
 
     Returns the fitted checkpoint and a line per change; raises a UserError
     naming every problem the target cannot fix (widths, vocab, layers).
     """
     info = target.info
     notes, changes = [], {}
-    scaling = normalize_rope(info.rope_scaling)
+    scaling = normalize_rope_scaling(info.rope_scaling)
     if (ckpt.config.rope_theta, ckpt.config.rope_scaling) != (info.rope_theta, scaling):
         changes.update(rope_theta=info.rope_theta, rope_scaling=scaling)
         notes.append(
@@ -163,7 +164,7 @@ def fit_to_target(ckpt: Checkpoint, target: Any) -> tuple[Checkpoint, list[str]]
         notes.append(f"aux_layer_ids (HF indexing) set to the default {changes['aux_layer_ids']}")
     config = dataclasses.replace(ckpt.config, **changes)
     tensors = dict(ckpt.tensors)
-    embed = target.model.get_input_embeddings().weight
+    embed = target.embeddings
     if EMBED not in tensors and tuple(embed.shape) == (config.vocab_size, config.hidden_size):
         tensors[EMBED] = embed.detach().cpu().to(tensors["fc.weight"].dtype, copy=True)
     errors = [p for p in target_problems(config, tensors, target) if p.error]

@@ -2,8 +2,8 @@
 
 The `eagle` config is one at top level, the `speculators` config nests one as
 `transformer_layer_config`; RoPE is either `rope_theta`/`rope_scaling`
-(transformers 4) or `rope_parameters` (transformers 5): read both, write the
-one each ecosystem writes itself.
+(transformers 4) or `rope_parameters` (transformers 5): `target.rope_of` reads
+both, and each ecosystem's is written as it writes it itself.
 """
 
 from __future__ import annotations
@@ -12,10 +12,9 @@ from typing import Any
 
 from eagletools.draft import DraftConfig
 from eagletools.errors import UserError
-from eagletools.formats.validate import normalize_rope
+from eagletools.target import rope_of
 
 LLAMA_DEFAULT_MAX_POSITIONS = 2048  # what LlamaConfig assumes when the field is absent
-LLAMA_DEFAULT_ROPE_THETA = 10000.0
 
 
 def read_layer_fields(cfg: dict[str, Any], source: str) -> dict[str, Any]:
@@ -36,13 +35,7 @@ def read_layer_fields(cfg: dict[str, Any], source: str) -> dict[str, Any]:
         if cfg.get(flag):
             raise UserError(f"{source}: field {flag!r} is true; EAGLE-3 heads have no biases")
     heads = cfg["num_attention_heads"]
-    params = cfg.get("rope_parameters")
-    if params:
-        theta = params.get("rope_theta", cfg.get("rope_theta", LLAMA_DEFAULT_ROPE_THETA))
-        scaling = normalize_rope(params)
-    else:
-        theta = cfg.get("rope_theta", LLAMA_DEFAULT_ROPE_THETA)
-        scaling = normalize_rope(cfg.get("rope_scaling"))
+    theta, scaling = rope_of(cfg)
     return dict(
         hidden_size=cfg["hidden_size"],
         intermediate_size=cfg["intermediate_size"],
@@ -51,7 +44,7 @@ def read_layer_fields(cfg: dict[str, Any], source: str) -> dict[str, Any]:
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
         vocab_size=cfg["vocab_size"],
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(theta),
+        rope_theta=theta,
         rope_scaling=scaling,
         max_position_embeddings=cfg.get("max_position_embeddings", LLAMA_DEFAULT_MAX_POSITIONS),
         hidden_act=cfg.get("hidden_act", "silu"),

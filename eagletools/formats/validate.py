@@ -12,8 +12,9 @@ from typing import Any
 import torch
 
 from eagletools.draft import DraftConfig, Eagle3Draft
+from eagletools.draft.model import meta_device
 from eagletools.errors import UserError
-from eagletools.target import default_aux_layer_ids
+from eagletools.target import default_aux_layer_ids, normalize_rope_scaling
 from eagletools.vocab import DraftVocab
 
 OPTIONAL = {"embed_tokens.weight"}
@@ -22,7 +23,7 @@ VOCAB_KEYS = {"d2t", "t2d"}
 
 def expected_tensors(config: DraftConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """`eagle` key -> (shape, dtype) of a draft with this config."""
-    with torch.device("meta"):
+    with meta_device():
         model = Eagle3Draft(config)
     return {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
 
@@ -95,7 +96,8 @@ class Problem:
 def target_problems(
     config: DraftConfig, tensors: dict[str, torch.Tensor], target: Any
 ) -> list[Problem]:
-    """Everything that keeps this draft from working with `target` (an `eagletools.target.Target`)."""
+    """Everything that keeps this draft from working with `target` (a `Target` or a
+    `TargetSummary`: its `info` and `embeddings`)."""
     info = target.info
     spec = info.name_or_path
     out = []
@@ -127,7 +129,7 @@ def target_problems(
             f"{ids} (HF indexing) exceed the target's {info.num_layers} layers",
             "use the target the draft was trained for",
         ))  # fmt: skip
-    embed = target.model.get_input_embeddings().weight
+    embed = target.embeddings.detach().cpu()
     draft_embed = tensors.get("embed_tokens.weight")
     if draft_embed is None and config.hidden_size != embed.shape[1]:
         out.append(Problem(
@@ -139,12 +141,12 @@ def target_problems(
     elif (
         draft_embed is not None
         and draft_embed.shape == embed.shape
-        and not torch.equal(draft_embed.to(embed.dtype), embed.detach().cpu())
+        and not _equal_at_lower_precision(draft_embed, embed)
     ):
         out.append(Problem(
             "embed_tokens",
             f"differ from {spec}'s (max abs diff "
-            f"{(draft_embed.float() - embed.detach().float().cpu()).abs().max():.3g}); engines "
+            f"{(draft_embed.float() - embed.float()).abs().max():.3g}); engines "
             "that reuse the target's embeddings run a different draft than the one shipped",
             "drop them (convert without --with-embeddings) if the draft was trained on the "
             "target's; keep them otherwise",
@@ -152,7 +154,7 @@ def target_problems(
         ))  # fmt: skip
     if (config.rope_theta, config.rope_scaling) != (
         info.rope_theta,
-        normalize_rope(info.rope_scaling),
+        normalize_rope_scaling(info.rope_scaling),
     ):
         out.append(Problem(
             "rope",
@@ -170,12 +172,7 @@ def target_problems(
     return out
 
 
-def normalize_rope(rope_scaling: dict | None) -> dict | None:
-    """`rope_scaling` with `rope_type` (not the old `type`); None for plain RoPE."""
-    if not rope_scaling:
-        return None
-    out = dict(rope_scaling)
-    if "type" in out:
-        out.setdefault("rope_type", out.pop("type"))
-    out.pop("rope_theta", None)
-    return None if out.get("rope_type", "default") == "default" and len(out) <= 1 else out
+def _equal_at_lower_precision(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal once both are in the coarser dtype: a bf16 copy of fp32 embeddings is theirs."""
+    low = a.dtype if torch.finfo(a.dtype).eps >= torch.finfo(b.dtype).eps else b.dtype
+    return torch.equal(a.to(low), b.to(low))

@@ -1,6 +1,16 @@
-"""Targets: load one (built-in name, HF folder, hub id, .gguf) and capture its aux hidden states."""
+"""Targets: load one (built-in name, HF folder, hub id, .gguf), read its config and
+module tree (`anatomy`), and capture its aux hidden states."""
 
-from eagletools.target.aux import AuxOutput, capture_aux, default_aux_layer_ids
+from eagletools.target.anatomy import (
+    decoder_layers,
+    default_aux_layer_ids,
+    embed_tokens,
+    final_norm,
+    lm_head,
+    normalize_rope_scaling,
+    rope_of,
+)
+from eagletools.target.aux import AuxOutput, capture_aux
 from eagletools.target.load import (
     Target,
     TargetInfo,
@@ -9,15 +19,24 @@ from eagletools.target.load import (
     load_tokenizer,
     resolve_spec,
 )
+from eagletools.target.summary import TargetSummary, load_target_summary
 
 __all__ = [
     "AuxOutput",
     "Target",
     "TargetInfo",
+    "TargetSummary",
     "capture_aux",
+    "decoder_layers",
     "default_aux_layer_ids",
+    "embed_tokens",
+    "final_norm",
+    "lm_head",
     "load_config",
     "load_target",
+    "load_target_summary",
     "load_tokenizer",
+    "normalize_rope_scaling",
     "resolve_spec",
+    "rope_of",
 ]

@@ -17,6 +17,7 @@ import torch
 
 from eagletools import assets
 from eagletools.errors import UserError
+from eagletools.target.anatomy import embed_tokens, rope_of, text_config
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -43,15 +44,8 @@ class TargetInfo:
     def from_config(
         cls, config: Any, name_or_path: str, tokenizer: Any = None, architecture: str | None = None
     ) -> TargetInfo:
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        # transformers 5: rope_parameters holds rope_theta and any scaling;
-        # earlier: rope_theta beside an optional rope_scaling dict
-        rope = dict(
-            getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
-        )
-        rope_theta = rope.pop("rope_theta", getattr(text, "rope_theta", 10000.0))
-        kind = rope.get("rope_type", rope.get("type", "default"))
-        rope_scaling = rope if kind != "default" else None
+        text = text_config(config)
+        rope_theta, rope_scaling = rope_of(text)
         heads = text.num_attention_heads
         return cls(
             name_or_path=name_or_path,
@@ -63,7 +57,7 @@ class TargetInfo:
             num_heads=heads,
             num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
             head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
-            rope_theta=float(rope_theta),
+            rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=text.max_position_embeddings,
             rms_norm_eps=float(getattr(text, "rms_norm_eps", 1e-6)),
@@ -77,6 +71,11 @@ class Target:
     model: torch.nn.Module
     tokenizer: Any
     info: TargetInfo
+
+    @property
+    def embeddings(self) -> torch.Tensor:
+        """[V, H]: what checks ask of a target, as of a `TargetSummary`."""
+        return embed_tokens(self.model).weight
 
 
 def resolve_spec(spec: str | Path) -> tuple[str, dict[str, Any]]:
