@@ -195,3 +195,68 @@ def test_training_checkpoint_converts(tmp_path):
         1,
         2,
     ]
+
+
+def write_big_target(folder, intermediate_size: int = 700_000) -> int:
+    """A 4-layer Llama target folder whose MLPs make model.safetensors ~1 GB (bf16);
+    returns the weight bytes.
+
+    The file is written sparse (a header, then a hole of zeros), so it costs
+    no disk and no time; only what a reader touches becomes memory.
+    """
+    from types import SimpleNamespace
+
+    from conftest import tiny_config
+    from test_formats import save_target_folder as save_with_tokenizer
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config("llama", intermediate_size=intermediate_size)
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()}
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, shape in shapes.items():
+        end = offset + shape.numel() * 2
+        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, end]}
+        offset = end
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    folder.mkdir(parents=True)
+    save_with_tokenizer(folder, SimpleNamespace(config=config, save_pretrained=config.save_pretrained))
+    with open(folder / "model.safetensors", "wb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw)
+        f.truncate(8 + len(raw) + offset)
+    return offset
+
+
+def test_convert_against_a_1gb_target_reads_only_config_and_embeddings(tmp_path):
+    """Converting a draft for an 8B target must not load the 8B target (in fp32 it was 2x)."""
+    import subprocess
+    import sys
+
+    target = tmp_path / "big-target"
+    weight_bytes = write_big_target(target)
+    assert weight_bytes > 1e9
+    ckpt = make_ckpt(aux_layer_ids=None)
+    ckpt.tensors.pop("embed_tokens.weight")
+    save_checkpoint(ckpt, tmp_path / "draft", "eagle")
+    # VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the forking pytest process
+    code = (
+        "import re, sys\n"
+        "from eagletools.cli import main\n"
+        "rc = main(sys.argv[1:])\n"
+        "status = open('/proc/self/status').read()\n"
+        "print('peak_kb', re.search(r'VmHWM:\\s+(\\d+)', status).group(1))\n"
+        "sys.exit(rc)\n"
+    )
+    args = [str(tmp_path / "draft"), str(tmp_path / "out"), "--to", "speculators",
+            "--target", str(target), "--with-embeddings"]  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-c", code, "convert", *args], capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr
+    peak_mb = int(run.stdout.split("peak_kb")[-1]) / 1024
+    assert peak_mb < 400, f"peak RSS {peak_mb:.0f} MB"
+    out = load_checkpoint(tmp_path / "out")
+    assert out.config.aux_layer_ids == [2, 2, 1]  # the default for 4 layers, from the config
+    assert out.tensors["embed_tokens.weight"].shape == (256, 64)
+    (target / "model.safetensors").unlink()

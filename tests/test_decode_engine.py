@@ -33,9 +33,11 @@ def tokenizer():
 def repeat_draft(model) -> Eagle3Draft:
     """A draft that proposes the target's own last prediction again.
 
-    fc passes the target's final pre-norm state through and the layer adds
-    nothing, so the draft's logits are the target's: accepted exactly when the
-    target repeats a token, which tiny random targets often do.
+    fc passes the target's final state (aux id N, after its norm) through, the
+    layer adds nothing, and the draft's norm (the target's: ones in a tiny
+    random target) leaves a normed state as it is, so the draft's logits are
+    the target's: accepted exactly when the target repeats a token, which tiny
+    random targets often do.
     """
     n = model.config.num_hidden_layers
     draft = Eagle3Draft.from_target(model, aux_layer_ids=[n, n, n])
@@ -239,6 +241,33 @@ def test_smollm2_greedy_lossless_and_equal_to_hf():
             torch.tensor([ids]), max_new_tokens=32, do_sample=False, eos_token_id=eos
         )
         assert hf[0, len(ids) :].tolist() == expected
+
+
+def test_kv_cache_holds_the_run_not_the_context(tokenizer):
+    """A target whose config says 131,072 positions (Llama-3.1) gets K/V for prompt +
+    new tokens + tree, grown when a conversation needs more, never the whole context."""
+    from conftest import llama31_model
+
+    from eagletools.decode.model import CACHE_BLOCK
+
+    model = llama31_model(seed=8, vocab_size=V)
+    runtime = Transformer.from_hf(model)
+    spec = SpeculativeDecoder(runtime, repeat_draft(model), tokenizer, 2, 3, 6)
+
+    def slots():
+        caches = runtime.kv_caches()
+        assert all(c.k.dtype == torch.float32 for c in caches)  # CPU: what attention uses
+        return {t.shape[2] for c in caches for t in (c.k, c.v)}, spec.cache.k.shape[2]
+
+    turn1 = list(range(20, 60))
+    first = spec.generate(turn1, 16)
+    assert slots() == ({CACHE_BLOCK}, CACHE_BLOCK + spec.tree_slots)  # 40 + 16 + 7 needed
+    turn2 = turn1 + first.tokens + list(range(60, 380))  # a longer second turn
+    second = spec.generate(turn2, 16)
+    assert second.reused_tokens >= len(turn1)  # grown with its contents kept
+    assert slots() == ({2 * CACHE_BLOCK}, 2 * CACHE_BLOCK + spec.tree_slots)
+    fresh = BaselineDecoder(Transformer.from_hf(model), tokenizer).generate(turn2, 16)
+    assert second.tokens == fresh.tokens
 
 
 def _full_sort_top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:

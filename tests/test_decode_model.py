@@ -82,3 +82,38 @@ def test_smollm2_logits_match_hf():
     ref = target.model(ids).logits
     logits, _ = runtime(ids, torch.arange(ids.shape[1]), 0)
     assert (logits - ref).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_aux_states_equal_training_capture_for_every_id(family):
+    """Aux id k means HF `hidden_states[k]` in both: the features a draft is trained on
+    (`capture_aux`) are the ones the decoder feeds it, up to id N (after the final norm)."""
+    from eagletools.target import capture_aux
+
+    model = tiny_model(family, seed=5)
+    every = list(range(model.config.num_hidden_layers + 1))
+    ids = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(3))
+    trained = capture_aux(model, ids, layer_ids=every).aux
+    _, decoded = _runtime(model)(ids, torch.arange(9), 0, aux_layer_ids=every)
+    hf = torch.cat(model(ids, output_hidden_states=True).hidden_states, dim=-1)
+    torch.testing.assert_close(trained, hf, rtol=0, atol=0)
+    for i in every:
+        part = slice(64 * i, 64 * (i + 1))
+        torch.testing.assert_close(decoded[..., part], trained[..., part], rtol=0, atol=1e-5)
+
+
+def test_llama31_rope_matches_hf_in_both_transformers_spellings():
+    from conftest import llama31_model, transformers4_spelling
+
+    model = llama31_model(seed=6)
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(4))
+    positions = torch.arange(9000, 9012)  # beyond the original 8192: the scaling matters
+    ref = model(ids, position_ids=positions[None]).logits
+    hf_inv_freq = model.model.rotary_emb.inv_freq
+    for config in (model.config, transformers4_spelling(model.config)):
+        model.config = config
+        runtime = Transformer.from_hf(model)
+        torch.testing.assert_close(runtime.rotary.inv_freq, hf_inv_freq, rtol=0, atol=0)
+        runtime.setup_caches(1, 16)
+        logits, _ = runtime(ids, positions, 0)
+        assert (logits - ref).abs().max() <= 1e-4

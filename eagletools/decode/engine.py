@@ -20,7 +20,7 @@ import torch
 
 from eagletools import kernels
 from eagletools.cpu_ops import argmax, pack_linears
-from eagletools.decode.model import Transformer, extend_mask
+from eagletools.decode.model import Transformer, extend_mask, grown
 from eagletools.decode.tree import check_tree_shape, grow_tree, max_tree_nodes
 from eagletools.errors import UserError
 
@@ -242,8 +242,8 @@ class BaselineDecoder:
         self.model = model
         self.tokenizer = tokenizer  # None: token ids only, no text
         self.eos_ids = eos_token_ids(tokenizer) if tokenizer is not None else set()
-        self.max_seq_len = max_seq_len
-        model.setup_caches(1, max_seq_len)
+        context = model.args.max_seq_len
+        self.max_seq_len = min(max_seq_len or context, context)  # the cache never outgrows it
         self.seq: list[int] = []
         self.target_len = 0
 
@@ -259,23 +259,30 @@ class BaselineDecoder:
             common += 1
         return common
 
-    def _reusable(self, prompt: list[int]) -> int:
-        """Prompt tokens whose cached KV stays valid (one at least is run again)."""
-        if self.model.cache_owner is not self:  # another decoder wrote the shared cache
-            self.model.setup_caches(1, self.max_seq_len)  # (batched generation resizes it)
+    def _reserve(self, length: int) -> None:
+        """The runtime's KV cache for this decoder, `length` slots at least.
+
+        It holds what this run needs (prompt + new tokens + a tree), not the
+        whole context, and grows as a conversation does (`Transformer.reserve`).
+        """
+        self.model.reserve(length, self.max_seq_len)
+        if self.model.cache_owner is not self:  # new, or another decoder or a batch wrote it
             self.reset()
             self.model.cache_owner = self
+
+    def _reusable(self, prompt: list[int]) -> int:
+        """Prompt tokens whose cached KV stays valid (one at least is run again)."""
         return min(self._common_prefix(prompt), self.target_len, len(prompt) - 1)
 
     def _check_prompt(self, prompt: Sequence[int]) -> list[int]:
         prompt = list(prompt)
         if not prompt:
             raise UserError("the prompt is empty: give at least one token of text")
-        room = self.model.cache_len - self.margin
+        room = self.max_seq_len - self.margin
         if len(prompt) > room:
             raise UserError(
                 f"the prompt has {len(prompt)} tokens but the context holds "
-                f"{self.model.cache_len} (minus {self.margin} for drafting): shorten the prompt"
+                f"{self.max_seq_len} (minus {self.margin} for drafting): shorten the prompt"
             )
         return prompt
 
@@ -306,6 +313,7 @@ class BaselineDecoder:
         """Continue `prompt` (token ids); cached KV of a shared prefix is reused."""
         prompt = self._check_prompt(prompt)
         start = time.perf_counter()
+        self._reserve(len(prompt) + max_new_tokens + self.margin)
         reuse = self._reusable(prompt)
         logits, aux = self._prefill(prompt, reuse)
         stop = _Stopper(self.tokenizer, self.eos_ids, max_new_tokens, stop_strings, on_text)
@@ -354,8 +362,10 @@ class SpeculativeDecoder(BaselineDecoder):
         super().__init__(model, tokenizer, max_seq_len)
         self.draft = pack_linears(draft.to(model.dtype).eval())
         self.aux_ids = tuple(draft.config.aux_layer_ids)
-        size = model.cache_len + max_tree_nodes(topk, depth)
-        self.cache = DraftKVCache.allocate(draft.config, 1, size, model.dtype, model.device)
+        self.tree_slots = max_tree_nodes(topk, depth)
+        self.cache = DraftKVCache.allocate(
+            draft.config, 1, self.tree_slots, model.dtype, model.device
+        )  # grown with the target's (`_reserve`)
         identity = bool((draft.d2t == 0).all())
         self.d2t = None if identity else draft.d2t
         self.draft_len = 0
@@ -363,6 +373,12 @@ class SpeculativeDecoder(BaselineDecoder):
     def reset(self) -> None:
         super().reset()
         self.draft_len = 0
+
+    def _reserve(self, length: int) -> None:
+        super()._reserve(length)
+        size = self.model.cache_len + self.tree_slots
+        if self.cache.k.shape[2] < size:
+            self.cache.k, self.cache.v = grown(self.cache.k, size), grown(self.cache.v, size)
 
     def _reusable(self, prompt: list[int]) -> int:
         # draft entry p also needs token p+1 to match

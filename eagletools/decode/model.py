@@ -19,9 +19,11 @@ from torch import nn
 
 from eagletools import kernels
 from eagletools.cpu_ops import PackedLinear
-from eagletools.draft.model import RMSNorm
+from eagletools.draft.model import RMSNorm, meta_device
 from eagletools.errors import UserError
 from eagletools.rope import RotaryEmbedding, rotate_half
+from eagletools.target import anatomy
+from eagletools.target.anatomy import DEFAULT_ROPE_THETA
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
 
@@ -39,6 +41,9 @@ class ModelArgs:
     max_seq_len: int  # the target's context (capped by a sliding window if any)
     qkv_bias: bool = False
     qk_norm: bool = False
+    rope_theta: float = DEFAULT_ROPE_THETA
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 2048  # what the RoPE scaling is computed for
 
     @classmethod
     def from_hf_config(cls, config) -> ModelArgs:
@@ -55,6 +60,7 @@ class ModelArgs:
         slides = "sliding_attention" in layer_types or config.model_type == "mistral"
         if window and slides:
             context = min(context, window)  # within the window, sliding == full attention
+        rope_theta, rope_scaling = anatomy.rope_of(config)
         return cls(
             vocab_size=config.vocab_size,
             dim=config.hidden_size,
@@ -68,6 +74,9 @@ class ModelArgs:
             max_seq_len=context,
             qkv_bias=config.model_type == "qwen2" or bool(getattr(config, "attention_bias", 0)),
             qk_norm=config.model_type == "qwen3",
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=config.max_position_embeddings,
         )
 
 
@@ -80,6 +89,28 @@ def extend_mask(
     return torch.cat([tree_mask.new_ones(n, start), tree_mask], dim=1)
 
 
+CACHE_BLOCK = 256  # KV caches are sized in whole blocks of slots
+
+
+def cache_size(needed: int, current: int, limit: int) -> int:
+    """Slots a cache of `current` slots grows to so that it holds `needed`.
+
+    At least double the current size (a growing conversation reallocates
+    O(log n) times), rounded up to a block, never beyond `limit` (the context).
+    """
+    if needed <= current:
+        return current
+    size = -(-max(needed, 2 * current) // CACHE_BLOCK) * CACHE_BLOCK
+    return min(size, limit)
+
+
+def grown(cache: torch.Tensor, max_len: int) -> torch.Tensor:
+    """`cache` [B, H, S, D] with room for `max_len` slots, its contents kept."""
+    out = cache.new_zeros(*cache.shape[:2], max_len, cache.shape[3])
+    out[:, :, : cache.shape[2]] = cache
+    return out
+
+
 class KVCache(nn.Module):
     """Static K/V of one layer, [B, n_kv_heads, S_max, head_dim]."""
 
@@ -88,6 +119,9 @@ class KVCache(nn.Module):
         shape = (batch, n_kv, max_len, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def grow(self, max_len: int) -> None:
+        self.k, self.v = grown(self.k, max_len), grown(self.v, max_len)
 
     def update(self, start: int, k: torch.Tensor, v: torch.Tensor):
         end = start + k.shape[2]
@@ -99,14 +133,15 @@ class KVCache(nn.Module):
 def attention(q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
     """q [B,Hq,T,D] over k, v [B,Hkv,S,D]; mask [T,S] or [B,T,S] bool (True = attend) or None.
 
-    For the few queries of decoding and tree verification, fp32 matmuls with
-    the query heads grouped per KV head beat CPU SDPA by 2-8x (its flash path
-    pays per key block) and bf16 matmuls by 1.5-2x; long prefills keep SDPA.
+    On CPU, for the few queries of decoding and tree verification, fp32
+    matmuls with the query heads grouped per KV head beat CPU SDPA by 2-8x (its
+    flash path pays per key block) and bf16 matmuls by 1.5-2x; long prefills
+    keep SDPA. On GPU, SDPA in the model's dtype: no fp32 copy of the KV cache.
     """
     b, hq, t, d = q.shape
     hkv, s = k.shape[1], k.shape[2]
     per_row = mask is not None and mask.dim() == 3  # [B,T,S]: a left-padded batch
-    if t > 64:
+    if t > 64 or q.device.type != "cpu":
         k, v = k.to(q.dtype), v.to(q.dtype)
         attn_mask = mask[:, None] if per_row else mask
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=True)
@@ -185,7 +220,9 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = PackedLinear(args.dim, args.vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(args.head_dim, 10000.0, None, args.max_seq_len)
+        self.rotary = RotaryEmbedding(
+            args.head_dim, args.rope_theta, args.rope_scaling, args.max_position_embeddings
+        )
         self.cache_len = 0
         self.cache_owner = None  # the decoder whose tokens the KV cache holds
 
@@ -196,14 +233,13 @@ class Transformer(nn.Module):
         args = ModelArgs.from_hf_config(model.config)
         dtype = dtype or model.dtype
         device = model.device
-        with torch.device("meta"):
+        with meta_device():
             self = cls(args)
         self.to_empty(device=device)
-        hf = model.model
-        self.tok_embeddings.weight.copy_(hf.embed_tokens.weight)
-        self.output.weight.copy_(model.lm_head.weight)
-        self.norm.weight.copy_(hf.norm.weight)
-        for block, layer in zip(self.layers, hf.layers, strict=True):
+        self.tok_embeddings.weight.copy_(anatomy.embed_tokens(model).weight)
+        self.output.weight.copy_(anatomy.lm_head(model).weight)
+        self.norm.weight.copy_(anatomy.final_norm(model).weight)
+        for block, layer in zip(self.layers, anatomy.decoder_layers(model), strict=True):
             a, m = layer.self_attn, layer.mlp
             projs = (a.q_proj, a.k_proj, a.v_proj)
             if a.o_proj.bias is not None or m.down_proj.bias is not None:
@@ -219,10 +255,12 @@ class Transformer(nn.Module):
             block.feed_forward.w2.weight.copy_(m.down_proj.weight)
             block.attention_norm.weight.copy_(layer.input_layernorm.weight)
             block.ffn_norm.weight.copy_(layer.post_attention_layernorm.weight)
-        # The target's own RoPE frequencies, whatever its scaling type.
-        self.rotary.inv_freq.copy_(hf.rotary_emb.inv_freq)
-        self.rotary.attention_scaling = float(hf.rotary_emb.attention_scaling)
-        return self.to(dtype).eval()
+        self = self.to(dtype).eval()
+        # computed, not loaded: made off the meta device, and kept in fp32 as HF keeps it
+        self.rotary = RotaryEmbedding(
+            args.head_dim, args.rope_theta, args.rope_scaling, args.max_position_embeddings
+        ).to(device)
+        return self
 
     @property
     def dtype(self) -> torch.dtype:
@@ -232,13 +270,15 @@ class Transformer(nn.Module):
     def device(self) -> torch.device:
         return self.output.weight.device
 
-    def setup_caches(self, batch: int = 1, max_len: int | None = None) -> None:
-        max_len = min(max_len or self.args.max_seq_len, self.args.max_seq_len)
+    def setup_caches(self, batch: int, max_len: int) -> None:
+        """Empty K/V for `max_len` slots (at most the context) of `batch` rows."""
+        max_len = min(max_len, self.args.max_seq_len)
         cache = self.layers[0].attention.kv_cache
         if cache is not None and self.cache_len == max_len and cache.k.shape[0] == batch:
             return
         a = self.args
-        # fp32 K/V on CPU: attention runs in fp32 there, so nothing is upcast per step
+        # fp32 K/V on CPU: attention runs in fp32 there, so nothing is upcast per step;
+        # the model's dtype elsewhere
         dtype = torch.float32 if self.device.type == "cpu" else self.dtype
         for block in self.layers:
             block.attention.kv_cache = KVCache(
@@ -246,6 +286,19 @@ class Transformer(nn.Module):
             )
         self.cache_len = max_len
         self.cache_owner = None
+
+    def reserve(self, length: int, limit: int | None = None) -> None:
+        """A batch-1 cache of at least `length` slots (`cache_size`'s rule, at most
+        `limit` or the context), its contents kept when it grows."""
+        limit = min(limit or self.args.max_seq_len, self.args.max_seq_len)
+        size = cache_size(length, self.cache_len, limit)
+        cache = self.layers[0].attention.kv_cache
+        if cache is None or cache.k.shape[0] != 1:
+            self.setup_caches(1, size)
+        elif size > self.cache_len:
+            for kv in self.kv_caches():
+                kv.grow(size)
+            self.cache_len = size
 
     def kv_caches(self) -> list[KVCache]:
         return [block.attention.kv_cache for block in self.layers]
@@ -266,8 +319,9 @@ class Transformer(nn.Module):
         input_ids [B,T]; positions [T] (RoPE). Slots `< start` are fully visible;
         among the new tokens `tree_mask` [T,T] (True = attend; default causal)
         decides. Returns logits [B,T,V] (or [B,1,V] with `last_only`) and the
-        hidden states at `aux_layer_ids` (HF indexing: k = input of layer k)
-        concatenated [B,T,A*H], or None. `key_mask` [B,>=start+T] (False = a
+        hidden states at `aux_layer_ids` (HF indexing: k = input of layer k, N =
+        the final norm's output, as `target.capture_aux`) concatenated [B,T,A*H],
+        or None. `key_mask` [B,>=start+T] (False = a
         padding slot) hides each row's padding from its real tokens.
         """
         t = input_ids.shape[1]
@@ -290,8 +344,8 @@ class Transformer(nn.Module):
             if i in aux_layer_ids:
                 states[i] = x
             x = block(x, cos, sin, start, mask)
-        states[len(self.layers)] = x
+        x = states[len(self.layers)] = self.norm(x)
         aux = torch.cat([states[i] for i in aux_layer_ids], dim=-1) if aux_layer_ids else None
         if last_only:
             x = x[:, -1:]
-        return self.output(self.norm(x)), aux
+        return self.output(x), aux
