@@ -28,6 +28,7 @@ from pathlib import Path
 from eagletools.atomic import write_text
 from eagletools.decode import SpeculativeDecoder
 from eagletools.dtypes import dtype_arg
+from eagletools.eval import bandwidth
 from eagletools.eval.benchmarks import load_benchmark
 from eagletools.eval.runner import Settings, chat_ids, hf_generate, load_decoders, machine
 
@@ -169,6 +170,13 @@ def main() -> None:
         "since other batch shapes round differently; equality is checked in fp32 (tests, and "
         "`eagletools eval --dtype float32 --hf-baseline`, which reports the top-2 logit gap at "
         "any divergence)."
+    )
+    by_name = {r["name"]: r["tokens_per_s"] for r in rows}
+    bw = bandwidth.achieved(decoders.runtime, by_name, "cpu")
+    notes.append(
+        f"Bandwidth achieved (weights {bw['weight_bytes'] / 1e6:.0f} MB x tokens/s, of the "
+        f"measured {bw['read_gb_per_s']:.1f} GB/s read bandwidth; speculative rows effective): "
+        + ", ".join(f"{n} {d['share']:.0%}" for n, d in bw["decoders"].items())
     )
     info = machine()
     header = {

@@ -86,6 +86,7 @@ def main() -> None:
     figures = medians(results["per_prompt"])
     print(json.dumps({"settings": results["settings"], "machine": results["machine"]}, indent=1))
     print(json.dumps(figures, indent=1))
+    print(json.dumps({"bandwidth": results["bandwidth"]}, indent=1))
     if args.output:
         results["medians"] = figures
         write_text(args.output, json.dumps(results, indent=2) + "\n")

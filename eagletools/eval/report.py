@@ -54,6 +54,14 @@ def markdown(results: dict) -> str:
         "|" + "---|" * len(head),
         *("| " + " | ".join(r) + " |" for r in rows),
     ]
+    if bw := results.get("bandwidth"):
+        parts = [
+            f"{name} {d['gb_per_s']:.1f} GB/s ({d['share']:.0%})"
+            for name, d in bw["decoders"].items()
+        ]
+        lines += ["", f"bandwidth achieved (weights {bw['weight_bytes'] / 1e6:.0f} MB x tokens/s; "
+                  f"share of the measured {bw['read_gb_per_s']:.1f} GB/s read bandwidth, "
+                  f"speculative effective): {', '.join(parts)}"]  # fmt: skip
     if s["per_position_acceptance"]:
         rates = ", ".join(f"{r:.2f}" for r in s["per_position_acceptance"])
         lines += ["", f"per-position acceptance: {rates}"]

@@ -320,6 +320,7 @@ def run_eval(
     from eagletools.eval.metrics import summarize
 
     decoders = decoders or load_decoders(s)
+    from eagletools.eval import bandwidth
     at_start = machine()
     tuned = None
     if s.autotune:
@@ -334,8 +335,10 @@ def run_eval(
     return {
         "settings": asdict(s),
         # other jobs on a shared machine skew timings: the load average says how much
+    summary = summarize(records, s.depth)
         "machine": at_start | {"load_average_at_end": machine()["load_average_at_start"]},
-        "summary": summarize(records, s.depth),
+        "summary": summary,
+        "bandwidth": bandwidth.achieved(decoders.runtime, summary["tokens_per_s"], s.device),
         "autotune": tuned,
         "per_prompt": records,
     }

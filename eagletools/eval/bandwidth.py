@@ -1,0 +1,73 @@
+"""Bandwidth achieved: how close decoding comes to the machine's memory limit.
+
+A plain decoder reads every weight once per token, so weight bytes x tokens/s
+is the memory traffic it sustains (gpt-fast's "bandwidth achieved"); over the
+machine's measured read bandwidth it says how much faster decoding could get
+at all. The read bandwidth is measured once per machine (a sum over a tensor
+much larger than the caches) and kept in the eagletools cache.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+
+import torch
+from torch import nn
+
+from eagletools.atomic import write_text
+
+PROBE_BYTES = 1 << 29  # 512 MiB: several times any L3
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes a one-token forward reads: every parameter but the embedding tables (one row)."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in embeddings)
+
+
+def _measure(device: torch.device, rounds: int = 5) -> float:
+    x = torch.ones(PROBE_BYTES // 4, dtype=torch.float32, device=device)
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        x.sum().item()  # .item() waits for a GPU too
+        times.append(time.perf_counter() - start)
+    return PROBE_BYTES / statistics.median(times[1:])
+
+
+def read_bandwidth(device: torch.device | str = "cpu") -> float:
+    """The machine's memory read bandwidth in bytes/s, measured once and cached on disk."""
+    from eagletools.assets import cache_dir
+
+    device = torch.device(device)
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
+    key = f"{device.type}|{where}|{os.cpu_count()} cpus|{torch.get_num_threads()} threads"
+    path = cache_dir() / "read_bandwidth.json"
+    known = json.loads(path.read_text()) if path.exists() else {}
+    if key not in known:
+        known[key] = _measure(device)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_text(path, json.dumps(known, indent=1) + "\n")
+    return known[key]
+
+
+def achieved(model: nn.Module | None, tokens_per_s: dict[str, float | None], device) -> dict | None:
+    """Per decoder: GB/s of weights read at its tokens/s, and that share of the read bandwidth.
+
+    For a speculative decoder it is the effective figure: it reads the weights
+    once per verify step, not per token, so it can pass 100%. None without a
+    model of ours (a serving engine's).
+    """
+    if model is None:
+        return None
+    nbytes, read = weight_bytes(model), read_bandwidth(device)
+    per = {
+        name: {"gb_per_s": rate * nbytes / 1e9, "share": rate * nbytes / read}
+        for name, rate in tokens_per_s.items()
+        if rate
+    }
+    return {"weight_bytes": nbytes, "read_gb_per_s": read / 1e9, "decoders": per}
