@@ -44,7 +44,8 @@ def read_bandwidth(device: torch.device | str = "cpu") -> float:
     from eagletools.assets import cache_dir
 
     device = torch.device(device)
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
+    cpu = platform.processor() or platform.machine()
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu
     key = f"{device.type}|{where}|{os.cpu_count()} cpus|{torch.get_num_threads()} threads"
     path = cache_dir() / "read_bandwidth.json"
     known = json.loads(path.read_text()) if path.exists() else {}
