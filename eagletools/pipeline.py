@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,15 +23,9 @@ from eagletools.atomic import write_text
 from eagletools.config import TrainConfig
 from eagletools.devices import resolve_device
 from eagletools.eval.benchmarks import Question
+from eagletools.stages import Stage, run_stages
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Stage:
-    name: str
-    output: Path  # the stage is done once this exists
-    run: Callable[[], Any]
 
 
 def sample_across_categories(questions: list[Question], n: int) -> list[Question]:
@@ -127,19 +120,9 @@ def _read_benchmarks(config: TrainConfig) -> dict[str, list[Question]]:
 
 def run_pipeline(config: TrainConfig, output_dir: str | Path) -> dict[str, Any]:
     """Run every unfinished stage, then write and return the summary."""
-    from tqdm.auto import tqdm
-
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    todo = stages(config, out)
-    bar = tqdm(todo, desc="pipeline", unit="stage")
-    for stage in bar:
-        bar.set_postfix_str(stage.name)
-        if stage.output.exists():
-            log.info("%s: done already (%s)", stage.name, stage.output)
-            continue
-        log.info("%s ...", stage.name)
-        stage.run()
+    run_stages(stages(config, out), progress="pipeline")
     summary = summarize(config, out)
     write_text(out / "report.md", report_markdown(summary))
     write_text(out / "summary.json", json.dumps(summary, indent=2))

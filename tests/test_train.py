@@ -166,11 +166,25 @@ def test_loss_on_is_checked():
         tiny_config("training.loss_on=prompts")
 
 
+class Interrupted(Exception):
+    pass
+
+
 @pytest.mark.slow
-def test_resume_follows_the_same_loss_trajectory(tmp_path):
+def test_resume_follows_the_same_loss_trajectory(tmp_path, monkeypatch):
     config = tiny_config("training.max_steps=9", "training.save_every=3")
     full, _ = run(tmp_path, config, "full")
-    run(tmp_path, config, "cut", stop_after=4)  # checkpoint at 3, stopped after 4
+    step = Trainer.train_step
+
+    def interrupted_after_4(trainer):  # as Ctrl-C would: checkpoint at 3, stopped after 4
+        if trainer.state.step == 4:
+            raise Interrupted
+        return step(trainer)
+
+    monkeypatch.setattr(Trainer, "train_step", interrupted_after_4)
+    with pytest.raises(Interrupted):
+        run(tmp_path, config, "cut")
+    monkeypatch.setattr(Trainer, "train_step", step)
     resumed, _ = run(tmp_path, config, "cut", resume=True)
     want = {h["step"]: h["loss"] for h in full.history}
     got = {h["step"]: h["loss"] for h in resumed.history}
@@ -279,7 +293,7 @@ def test_failed_checkpoint_write_keeps_the_previous(tmp_path, monkeypatch):
     assert not [p for p in (tmp_path / "out" / "checkpoints").iterdir() if p.name.startswith(".")]
     monkeypatch.setattr(checkpoint.torch, "save", real_save)
     resumed, _ = run(tmp_path, tiny_config(), resume=True)
-    assert resumed.state["step"] == 8
+    assert resumed.state.step == 8
 
 
 def test_wandb_offline_run_holds_the_metrics(tmp_path, monkeypatch):

@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from gloo_helpers import free_port
 
 SCRIPT = textwrap.dedent(
     """
     import faulthandler, sys
     faulthandler.dump_traceback_later(240, exit=True)  # a hang fails with every thread's stack
     sys.path.insert(0, {tests!r})
+    from gloo_helpers import gloo_threads
     from test_train import random_dataset, tiny_config, tiny_target
     from eagletools.train.trainer import train
 
@@ -23,14 +24,9 @@ SCRIPT = textwrap.dedent(
     config = tiny_config(f"training.batch_size={{batch_size}}", "training.max_steps=5",
                          "training.grad_accum=2", "training.eval_every=5")
     train(config, out, target=tiny_target(), dataset=random_dataset())
+    assert not gloo_threads(), gloo_threads()  # train() joined its process group's threads
     """
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def losses(out: Path) -> list[float]:

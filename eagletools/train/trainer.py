@@ -11,11 +11,14 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
+import gc
 import json
 import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,11 +27,12 @@ import torch
 
 from eagletools.atomic import atomic_file, write_text
 from eagletools.config import TrainConfig, dump_config
+from eagletools.data.batch import SampleSource
 from eagletools.errors import UserError
+from eagletools.stages import Stage, run_stages
 from eagletools.train import checkpoint as ckpt
 from eagletools.train.data import (
     ArgmaxMemo,
-    SampleSource,
     TokenSamples,
     plan_epoch,
     split_indices,
@@ -138,57 +142,84 @@ def build_vocab_for(config: TrainConfig, inputs: TrainInputs, train_idx: list[in
     return vocab, report
 
 
+@dataclass
+class TrainState:
+    """Where a run stands: saved with every checkpoint, restored by --resume."""
+
+    step: int = 0
+    epoch: int = 0
+    batch: int = 0  # global batches of the epoch already trained on
+    tokens: int = 0
+    skipped_nan_steps: int = 0
+    bad_in_row: int = 0
+    skipped_masked_samples: int = 0
+    seconds: float = 0.0
+
+
 class Trainer:
     """One training run; `run()` returns the final held-out metrics."""
 
     def __init__(
-        self,
-        config: TrainConfig,
-        output_dir: str | Path,
-        inputs: TrainInputs,
-        resume: bool = False,
-        stop_after: int | None = None,
+        self, config: TrainConfig, output_dir: str | Path, inputs: TrainInputs, resume: bool = False
     ):
-        from accelerate import Accelerator
-        from accelerate.state import AcceleratorState
-        from accelerate.utils import TorchDynamoPlugin
-
-        from eagletools.draft import Eagle3Draft
-
         self.config, self.out, self.inputs = config, Path(output_dir), inputs
-        self.stop_after = stop_after
-        t = config.training
-        if t.num_threads:
-            torch.set_num_threads(t.num_threads)
-        tracker = None if config.tracking.report_to == "none" else config.tracking.report_to
-        # accelerate keeps one state per process: a second run in the same process
-        # (pipeline, notebook, tests) may use another precision; the process group stays
-        AcceleratorState._reset_state(reset_partial_state=False)
-        self.acc = Accelerator(
+        if config.training.num_threads:
+            torch.set_num_threads(config.training.num_threads)
+        torch.manual_seed(config.training.seed)
+        self._setup_accelerator()
+        self._setup_data()
+        self._setup_optimizer(self._setup_model())
+        self._setup_teacher()
+        self._setup_schedule()
+        self.state = TrainState(skipped_masked_samples=self.skipped_masked)
+        self.history: list[dict[str, float]] = []
+        if resume:
+            self._resume()
+        elif ckpt.list_checkpoints(self.out / "checkpoints"):
+            raise UserError(
+                f"{self.out} already holds a training run; pass --resume to continue it "
+                "or choose another --output-dir"
+            )
+
+    # -- setup -------------------------------------------------------------
+
+    def _setup_accelerator(self) -> None:
+        """accelerate for the processes (DDP/FSDP); bf16 autocast and compile are ours.
+
+        accelerate keeps one state per process and refuses a second `Accelerator` with
+        another mixed precision, so a second run in the same process (pipeline, notebook,
+        tests) could not change either; owning both here keeps every run's accelerate
+        setup the same.
+        """
+        from accelerate import Accelerator
+
+        c = self.config
+        self.accelerator = Accelerator(
             # without a GPU, processes started by `accelerate launch` train on CPU over gloo
             cpu=not torch.cuda.is_available(),
-            mixed_precision="bf16" if t.precision == "bf16" else "no",
-            # one graph over all sequence lengths (held-out evaluation stays eager)
-            dynamo_plugin=TorchDynamoPlugin(backend="inductor", dynamic=True)
-            if t.compile
-            else None,
-            log_with=tracker,
+            mixed_precision="no",
+            dynamo_backend="no",
+            log_with=None if c.tracking.report_to == "none" else c.tracking.report_to,
             project_dir=str(self.out),
         )
+        self.device = self.accelerator.device
+        self.autocast = functools.partial(
+            torch.autocast, self.device.type, torch.bfloat16, c.training.precision == "bf16"
+        )
         fsdp_asked = os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true")
-        if fsdp_asked and self.acc.distributed_type.value != "FSDP":
+        kind = self.accelerator.distributed_type.value
+        if fsdp_asked and kind != "FSDP":
             # on CPU accelerate quietly turns an FSDP launch into DDP over gloo
             log.warning("FSDP was asked but accelerate runs %s here (FSDP needs GPUs); "
-                        "the draft and optimizer are replicated, not sharded",
-                        self.acc.distributed_type.value)  # fmt: skip
-        torch.manual_seed(t.seed)
+                        "the draft and optimizer are replicated, not sharded", kind)  # fmt: skip
 
-        src = inputs.source
+    def _setup_data(self) -> None:
+        """Held-out split, samples with something to learn, and the draft vocabulary."""
+        c, t, src = self.config, self.config.training, self.inputs.source
         if len(src) == 0:
-            raise UserError(f"{config.data.train}: the dataset is empty after filtering")
-        train_idx, eval_idx = split_indices(len(src), config.data.eval_samples, t.seed)
+            raise UserError(f"{c.data.train}: the dataset is empty after filtering")
+        train_idx, eval_idx = split_indices(len(src), c.data.eval_samples, t.seed)
         self.train_idx, skipped = trainable(src, train_idx)
-        self._plan: tuple[int, list[list[int]]] | None = None  # (epoch, its global batches)
         self.eval_idx, skipped_eval = trainable(src, eval_idx)
         self.skipped_masked = skipped + skipped_eval
         if self.skipped_masked:
@@ -198,62 +229,72 @@ class Trainer:
             )
         if not self.train_idx:
             raise UserError(
-                f"{config.data.train}: no training sample is left after filtering "
+                f"{c.data.train}: no training sample is left after filtering "
                 f"({len(train_idx)} had every token masked out of the loss); "
                 "check the chat template and data.max_length"
             )
-        per_step = t.batch_size * t.grad_accum * self.acc.num_processes
-        if len(self.train_idx) < per_step:
+        self.global_batch = t.batch_size * self.accelerator.num_processes
+        if len(self.train_idx) < self.global_batch * t.grad_accum:
             raise UserError(
-                f"{config.data.train}: {len(self.train_idx)} training samples are fewer than one "
-                f"optimizer step takes ({per_step} = training.batch_size x training.grad_accum x "
-                "processes); use more data or a smaller training.batch_size"
+                f"{c.data.train}: {len(self.train_idx)} training samples are fewer than one "
+                f"optimizer step takes ({self.global_batch * t.grad_accum} = training.batch_size "
+                "x training.grad_accum x processes); use more data or a smaller "
+                "training.batch_size"
             )
-        self.vocab, self.vocab_report = build_vocab_for(config, inputs, self.train_idx, self.out)
+        self._plan: tuple[int, list[list[int]]] | None = None  # (epoch, its global batches)
+        self.vocab, self.vocab_report = build_vocab_for(c, self.inputs, self.train_idx, self.out)
 
-        d = config.draft
+    def _setup_model(self) -> TTTModel:
+        """The draft, sized and initialised from the target, in its training-time-test unroll."""
+        from eagletools.draft import Eagle3Draft
+
+        d, t, head_model = self.config.draft, self.config.training, self.inputs.head_model
         draft = Eagle3Draft.from_target(
-            inputs.head_model,
+            head_model,
             self.vocab,
-            aux_layer_ids=inputs.aux_layer_ids,
+            aux_layer_ids=self.inputs.aux_layer_ids,
             init_head_from_target=d.init_head_from_target,
             norm_before_residual=d.norm_before_residual,
             fc_norm=d.fc_norm,
             norm_output=d.norm_output,
-            intermediate_size=d.intermediate_size or inputs.head_model.config.intermediate_size,
+            intermediate_size=d.intermediate_size or head_model.config.intermediate_size,
         )
-        model = TTTModel(draft, t.ttt_steps, t.ttt_decay, t.attn_chunk)
-        self.params = [p for p in draft.parameters() if p.requires_grad]
+        return TTTModel(draft, t.ttt_steps, t.ttt_decay, t.attn_chunk)
+
+    def _setup_optimizer(self, model: TTTModel) -> None:
+        """AdamW over the trainable weights; accelerate wraps model and optimizer together."""
+        t = self.config.training
+        self.params = [p for p in model.draft.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(
             self.params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay,
             # one kernel per step instead of ~10 per tensor: 5 vs 31 ms for the SmolLM2 draft on CPU
-            fused=self.acc.device.type in ("cpu", "cuda"),
+            fused=self.device.type in ("cpu", "cuda"),
         )  # fmt: skip
-        self.global_batch = t.batch_size * self.acc.num_processes
+        self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+        if t.compile:  # one graph over all sequence lengths (held-out evaluation stays eager)
+            self.model = torch.compile(self.model, backend="inductor", dynamic=True)
+        self.draft = self._unwrapped().draft
+
+    def _setup_teacher(self) -> None:
+        """The target's lm_head on this device; offline, a memo of each sample's argmax."""
+        self.lm_head = self.inputs.lm_head_weight.to(self.device)
+        self.d2t = self.draft.d2t
+        # offline the hidden states repeat every epoch, so their argmax does too
+        self.argmax_memo = ArgmaxMemo() if self.inputs.target_model is None else None
+
+    def _setup_schedule(self) -> None:
+        """Total optimizer steps and warmup steps of the learning-rate schedule."""
+        t = self.config.training
         self.total = t.max_steps or total_steps(
             len(self.train_idx), self.global_batch, t.grad_accum, t.num_epochs
         )
         self.warmup = (
             t.warmup_steps if t.warmup_steps is not None else round(t.warmup_ratio * self.total)
         )
-        self.model, self.optimizer = self.acc.prepare(model, optimizer)
-        self.draft = self.acc.unwrap_model(self.model, keep_torch_compile=False).draft
-        self.lm_head = inputs.lm_head_weight.to(self.acc.device)
-        self.d2t = self.draft.d2t
-        # offline the hidden states repeat every epoch, so their argmax does too
-        self.argmax_memo = ArgmaxMemo() if inputs.target_model is None else None
-        self.state: dict[str, Any] = {
-            "step": 0, "epoch": 0, "batch": 0, "tokens": 0, "skipped_nan_steps": 0,
-            "bad_in_row": 0, "skipped_masked_samples": self.skipped_masked, "seconds": 0.0,
-        }  # fmt: skip
-        self.history: list[dict[str, float]] = []
-        if resume:
-            self._resume()
-        elif ckpt.list_checkpoints(self.out / "checkpoints"):
-            raise UserError(
-                f"{self.out} already holds a training run; pass --resume to continue it "
-                "or choose another --output-dir"
-            )
+
+    def _unwrapped(self) -> TTTModel:
+        """The TTT model without DDP/FSDP or compile wrappers (eager)."""
+        return self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
 
     # -- state -------------------------------------------------------------
 
@@ -269,9 +310,9 @@ class Trainer:
                 f"--resume: {found[-1]} was written with another recipe; resume with the same "
                 f"recipe and overrides (see {self.out / 'recipe.yaml'})"
             )
-        self.state = state["position"]
-        self.history = [h for h in self._read_history() if h["step"] <= self.state["step"]]
-        log.info("resumed from %s at step %d", found[-1], self.state["step"])
+        self.state = TrainState(**state["position"])
+        self.history = [h for h in self._read_history() if h["step"] <= self.state.step]
+        log.info("resumed from %s at step %d", found[-1], self.state.step)
 
     def _read_history(self) -> list[dict[str, float]]:
         path = self.out / "train_log.jsonl"
@@ -282,15 +323,15 @@ class Trainer:
     def _save(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """Write a checkpoint; returns the gathered state, so the final write reuses it."""
         full = ckpt.full_state(self.draft, self.optimizer)  # every rank: FSDP gathers shards
-        if self.acc.is_main_process:
-            state = {"position": self.state, "recipe": self.config.to_dict()}
+        if self.accelerator.is_main_process:
+            state = {"position": dataclasses.asdict(self.state), "recipe": self.config.to_dict()}
             ckpt.save_checkpoint(
-                self.out / "checkpoints", self.state["step"], full, self.draft.config.to_dict(),
+                self.out / "checkpoints", self.state.step, full, self.draft.config.to_dict(),
                 state, self.config.training.keep_last,
             )  # fmt: skip
             with atomic_file(self.out / "train_log.jsonl") as tmp:
                 tmp.write_text("".join(json.dumps(h) + "\n" for h in self.history))
-        self.acc.wait_for_everyone()
+        self.accelerator.wait_for_everyone()
         return full
 
     # -- steps -------------------------------------------------------------
@@ -298,7 +339,7 @@ class Trainer:
     def _teacher(self, batch: Any, last_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         memo = self.argmax_memo
         known = memo.lookup(batch) if memo is not None else None
-        device = self.acc.device
+        device = self.device
         probs, argmax = teacher_targets(
             last_hidden.to(device), self.lm_head, self.d2t,
             known_argmax=None if known is None else known.to(device),
@@ -308,17 +349,14 @@ class Trainer:
         return probs, argmax
 
     def _forward(self, batch: Any, norm: torch.Tensor | None) -> tuple[torch.Tensor, StepStats]:
-        device = self.acc.device
+        device = self.device
         aux, last_hidden = features(self.inputs, batch)
         probs, argmax = self._teacher(batch, last_hidden)
-        return self.model(
-            batch.input_ids.to(device),
-            aux.to(device),
-            batch.loss_mask.to(device),
-            probs,
-            argmax,
-            norm,
-        )
+        with self.autocast():
+            return self.model(
+                batch.input_ids.to(device), aux.to(device), batch.loss_mask.to(device),
+                probs, argmax, norm,
+            )  # fmt: skip
 
     def _epoch_plan(self, epoch: int) -> list[list[int]]:
         """The epoch's global batches, planned once per epoch rather than per step."""
@@ -333,11 +371,11 @@ class Trainer:
         """This rank's share of the next `grad_accum` global batches (advancing epochs)."""
         t = self.config.training
         per_epoch = steps_per_epoch(len(self.train_idx), self.global_batch, t.grad_accum)
-        if self.state["batch"] >= per_epoch * t.grad_accum:
-            self.state["epoch"] += 1
-            self.state["batch"] = 0
-        plan = self._epoch_plan(self.state["epoch"])
-        start, rank = self.state["batch"], self.acc.process_index
+        if self.state.batch >= per_epoch * t.grad_accum:
+            self.state.epoch += 1
+            self.state.batch = 0
+        plan = self._epoch_plan(self.state.epoch)
+        start, rank = self.state.batch, self.accelerator.process_index
         out = []
         for global_batch in plan[start : start + t.grad_accum]:
             mine = global_batch[rank * t.batch_size : (rank + 1) * t.batch_size]
@@ -349,23 +387,23 @@ class Trainer:
 
     def _progress(self) -> float:
         """Share of the schedule done: by steps, or by time under training.max_minutes."""
-        t, step = self.config.training, self.state["step"]
+        t, step = self.config.training, self.state.step
         by_steps = (step - self.warmup) / max(1, self.total - self.warmup)
         if t.max_minutes is None:
             return by_steps
-        return max(by_steps, self.state["seconds"] / (60 * t.max_minutes))
+        return max(by_steps, self.state.seconds / (60 * t.max_minutes))
 
     def _out_of_time(self) -> bool:
         """training.max_minutes reached on any rank (all ranks stop together)."""
         limit = self.config.training.max_minutes
         if limit is None:
             return False
-        late = torch.tensor(float(self.state["seconds"] >= 60 * limit), device=self.acc.device)
-        return bool(self.acc.reduce(late, "sum") > 0)
+        late = torch.tensor(float(self.state.seconds >= 60 * limit), device=self.device)
+        return bool(self.accelerator.reduce(late, "sum") > 0)
 
     def _set_lr(self) -> float:
         t = self.config.training
-        lr = t.lr * lr_factor(self.state["step"], self._progress(), self.warmup, t.min_lr_ratio)
+        lr = t.lr * lr_factor(self.state.step, self._progress(), self.warmup, t.min_lr_ratio)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         return lr
@@ -374,42 +412,42 @@ class Trainer:
         t = self.config.training
         lr = self._set_lr()
         batches = self._micro_batches()
-        norm = sum(step_counts(b.loss_mask, t.ttt_steps) for b in batches).to(self.acc.device)
-        norm = self.acc.reduce(norm, "sum") / self.acc.num_processes
-        total = StepStats(*(torch.zeros(t.ttt_steps, device=self.acc.device) for _ in range(3)))
+        norm = sum(step_counts(b.loss_mask, t.ttt_steps) for b in batches).to(self.device)
+        norm = self.accelerator.reduce(norm, "sum") / self.accelerator.num_processes
+        total = StepStats(*(torch.zeros(t.ttt_steps, device=self.device) for _ in range(3)))
         losses = []
         tokens = 0
         for i, batch in enumerate(batches):
             last = i == len(batches) - 1
-            with contextlib.nullcontext() if last else self.acc.no_sync(self.model):
+            with contextlib.nullcontext() if last else self.accelerator.no_sync(self.model):
                 loss, stats = self._forward(batch, norm)
-                self.acc.backward(loss)
+                self.accelerator.backward(loss)
             losses.append(loss.detach())
             tokens += batch.num_tokens
             for name in ("loss_sum", "correct", "count"):
                 getattr(total, name).add_(getattr(stats, name))
-        grad_norm = self.acc.clip_grad_norm_(self.params, t.grad_clip)
+        grad_norm = self.accelerator.clip_grad_norm_(self.params, t.grad_clip)
         finite = torch.isfinite(torch.stack(losses).sum()) & torch.isfinite(grad_norm)
-        bad = self.acc.reduce((~finite).float().to(self.acc.device), "sum") > 0
+        bad = self.accelerator.reduce((~finite).float().to(self.device), "sum") > 0
         if bad:
-            self.state["skipped_nan_steps"] += 1
-            self.state["bad_in_row"] += 1
+            self.state.skipped_nan_steps += 1
+            self.state.bad_in_row += 1
         else:
             self.optimizer.step()
-            self.state["bad_in_row"] = 0
+            self.state.bad_in_row = 0
         self.optimizer.zero_grad(set_to_none=True)
-        self.state["step"] += 1
-        self.state["batch"] += t.grad_accum
-        self.state["tokens"] += int(
-            self.acc.reduce(torch.tensor(tokens, device=self.acc.device), "sum")
+        self.state.step += 1
+        self.state.batch += t.grad_accum
+        self.state.tokens += int(
+            self.accelerator.reduce(torch.tensor(tokens, device=self.device), "sum")
         )
-        if self.state["bad_in_row"] >= t.max_bad_steps:
+        if self.state.bad_in_row >= t.max_bad_steps:
             raise UserError(
                 f"the loss was not finite in {t.max_bad_steps} optimizer steps in a row (up to "
-                f"step {self.state['step']}); lower training.lr, check the data or hidden-state "
+                f"step {self.state.step}); lower training.lr, check the data or hidden-state "
                 "cache for NaN/inf, or raise training.max_bad_steps"
             )
-        reduced = StepStats(*(self.acc.reduce(getattr(total, n), "sum") for n in
+        reduced = StepStats(*(self.accelerator.reduce(getattr(total, n), "sum") for n in
                               ("loss_sum", "correct", "count")))  # fmt: skip
         metrics = summarize(reduced, t.ttt_decay)
         metrics.update(lr=lr, grad_norm=float(grad_norm), skipped=float(bad))
@@ -422,22 +460,22 @@ class Trainer:
         src = self.inputs.source
         order = sorted(self.eval_idx, key=src.length)
         chunks = [order[i : i + t.batch_size] for i in range(0, len(order), t.batch_size)]
-        total = StepStats(*(torch.zeros(t.eval_ttt_steps, device=self.acc.device)
+        total = StepStats(*(torch.zeros(t.eval_ttt_steps, device=self.device)
                             for _ in range(3)))  # fmt: skip
-        model = self.acc.unwrap_model(self.model, keep_torch_compile=False)
-        rank, world = self.acc.process_index, self.acc.num_processes
+        model = self._unwrapped()
+        rank, world = self.accelerator.process_index, self.accelerator.num_processes
         for chunk in chunks[rank::world]:
             batch = src.batch(chunk)
             aux, last_hidden = features(self.inputs, batch)
             probs, argmax = self._teacher(batch, last_hidden)
-            with self.acc.autocast():
+            with self.autocast():
                 _, stats = model(
-                    batch.input_ids.to(self.acc.device), aux.to(self.acc.device),
-                    batch.loss_mask.to(self.acc.device), probs, argmax, steps=t.eval_ttt_steps,
+                    batch.input_ids.to(self.device), aux.to(self.device),
+                    batch.loss_mask.to(self.device), probs, argmax, steps=t.eval_ttt_steps,
                 )  # fmt: skip
             for name in ("loss_sum", "correct", "count"):
                 getattr(total, name).add_(getattr(stats, name))
-        reduced = StepStats(*(self.acc.reduce(getattr(total, n), "sum") for n in
+        reduced = StepStats(*(self.accelerator.reduce(getattr(total, n), "sum") for n in
                               ("loss_sum", "correct", "count")))  # fmt: skip
         return summarize(reduced, t.ttt_decay)
 
@@ -447,56 +485,54 @@ class Trainer:
         from tqdm.auto import tqdm
 
         t, c = self.config.training, self.config
-        if self.acc.is_main_process:
+        if self.accelerator.is_main_process:
             write_text(self.out / "recipe.yaml", dump_config(c))
             self.vocab.save(self.out / "vocab.safetensors")
             write_text(self.out / "vocab_report.json", json.dumps(self.vocab_report, indent=2))
         if c.tracking.report_to != "none":
-            self.acc.init_trackers(
+            self.accelerator.init_trackers(
                 c.tracking.project,
                 config=_flat(c.to_dict()),
                 init_kwargs={"wandb": {"name": c.tracking.run_name, "dir": str(self.out)}},
             )
-        bar = tqdm(total=self.total, initial=self.state["step"], disable=not self.acc.is_main_process,
-                   desc="train", unit="step")  # fmt: skip
-        start, start_tokens = time.perf_counter(), self.state["tokens"]
+        bar = tqdm(total=self.total, initial=self.state.step, desc="train", unit="step",
+                   disable=not self.accelerator.is_main_process)  # fmt: skip
+        start, start_tokens = time.perf_counter(), self.state.tokens
         eval_metrics: dict[str, float] = {}
-        finished = self.state["step"] >= self.total
+        finished = self.state.step >= self.total
         saved = None  # the state the last checkpoint gathered
         while not finished:
             step_start = time.perf_counter()
             metrics = self.train_step()
-            self.state["seconds"] += time.perf_counter() - step_start
-            step = self.state["step"]
+            self.state.seconds += time.perf_counter() - step_start
+            step = self.state.step
             finished = step >= self.total or self._out_of_time()
-            speed = (self.state["tokens"] - start_tokens) / (time.perf_counter() - start)
+            speed = (self.state.tokens - start_tokens) / (time.perf_counter() - start)
             metrics["tokens_per_s"] = speed
             self.history.append({"step": step, "loss": metrics["loss"], "lr": metrics["lr"]})
             bar.update(1)
             bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc0=f"{metrics['acc_0']:.2f}",
                             tok_s=f"{speed:.0f}")  # fmt: skip
             if step % t.log_every == 0 or finished:
-                self.acc.log({f"train/{k}": v for k, v in metrics.items()}, step=step)
+                self.accelerator.log({f"train/{k}": v for k, v in metrics.items()}, step=step)
             if (t.eval_every and step % t.eval_every == 0) or finished:
                 eval_metrics = self.evaluate() if self.eval_idx else {}
-                self.acc.log({f"eval/{k}": v for k, v in eval_metrics.items()}, step=step)
-                if eval_metrics and self.acc.is_main_process:
+                self.accelerator.log({f"eval/{k}": v for k, v in eval_metrics.items()}, step=step)
+                if eval_metrics and self.accelerator.is_main_process:
                     log.info("step %d held-out %s", step, _fmt(eval_metrics))
             if (t.save_every and step % t.save_every == 0) or finished:
                 saved = self._save()
-            if self.stop_after is not None and step >= self.stop_after:
-                break
         bar.close()
         elapsed = time.perf_counter() - start
-        acc = [eval_metrics[f"acc_{j}"] for j in range(t.eval_ttt_steps)] if eval_metrics else []
+        per_step = [eval_metrics[f"acc_{j}"] for j in range(t.eval_ttt_steps) if eval_metrics]
         result = {
             **eval_metrics,
-            "acc": acc,
-            "steps": self.state["step"],
-            "trained_tokens": self.state["tokens"],
+            "acc": per_step,
+            "steps": self.state.step,
+            "trained_tokens": self.state.tokens,
             "train_seconds": elapsed,
-            "tokens_per_s": (self.state["tokens"] - start_tokens) / max(elapsed, 1e-9),
-            "skipped_nan_steps": self.state["skipped_nan_steps"],
+            "tokens_per_s": (self.state.tokens - start_tokens) / max(elapsed, 1e-9),
+            "skipped_nan_steps": self.state.skipped_nan_steps,
             "skipped_masked_samples": self.skipped_masked,
             "train_samples": len(self.train_idx),
             "eval_samples": len(self.eval_idx),
@@ -505,28 +541,32 @@ class Trainer:
         }
         if finished:  # a run resumed after its end saves nothing in the loop
             tensors, _ = saved or ckpt.full_state(self.draft, self.optimizer)
-            if self.acc.is_main_process:
+            if self.accelerator.is_main_process:
                 self._write_final(tensors)
                 write_text(self.out / "metrics.json", json.dumps(result, indent=2))
         self._close()
         return result
 
     def _close(self) -> None:
-        """Meet the other ranks and free the process group without a deadlock.
+        """Meet the other ranks, then free the process group while nothing else holds it.
 
-        torch 2.13's `ProcessGroupGloo` destructor joins its worker threads while it holds
-        the GIL; a worker that drops the last reference to a finished collective needs the
-        GIL to free its Python tensors. One 2-process run in ~20 hung so when DDP's reducer
-        was collected. Holding the last barrier's work here until the group is gone makes
-        this thread, not a worker, free it.
+        Its gloo threads must be joined here, by this thread, while the interpreter lives.
+        torch 2.13's `ProcessGroupGloo` destructor joins its workers while it holds the GIL,
+        and a worker freeing a finished collective's Python tensors needs the GIL: one
+        2-process run in ~20 hung so when DDP's reducer was collected. A group that outlives
+        this call (held by a cycle collected later) dies in interpreter exit instead, where
+        such a worker aborts the process ("terminate called without an active exception").
+        So every holder goes first, cycles included; the last barrier's work is freed by
+        this thread after the group.
         """
         last = None
-        if self.acc.num_processes > 1:
+        if self.accelerator.num_processes > 1:
             last = torch.distributed.barrier(async_op=True)
             last.wait()
         self.model = self.optimizer = None  # DDP's reducer holds the process group
-        self.acc.free_memory()
-        self.acc.end_training()  # destroys the group: its workers are joined here
+        self.accelerator.free_memory()
+        gc.collect()  # free_memory collects before it drops its own references to the model
+        self.accelerator.end_training()  # destroys the group: its workers are joined here
         del last
 
     def _write_final(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -564,31 +604,56 @@ def train(
     resume: bool = False,
     target: Any = None,
     dataset: Any = None,
-    stop_after: int | None = None,
 ) -> dict[str, Any]:
     """Train a draft per `config` into `output_dir`; returns the final metrics.
 
-    `target`/`dataset` skip loading them (tests, notebooks); `stop_after`
-    stops after that step as an interruption would (the checkpoints stay).
+    The data stages run first, each skipped once its output is complete: the target's
+    own replies (data.regenerate), then the hidden-state cache (data.offline).
+    `target`/`dataset` skip loading them (tests, notebooks).
     """
-    if config.data.regenerate.enabled and not config.data.hidden_states:
-        if dataset is not None:
-            raise UserError(
-                "data.regenerate rewrites the replies of the conversations in data.train, but a "
-                "tokenised dataset was passed: pass the conversations as data.train instead, "
-                "or set data.regenerate.enabled=false"
-            )
-        target = target or _load_target(config)
+    from eagletools.data.hidden_states import HiddenStateCache
+
+    out, d = Path(output_dir), config.data
+    regenerating = d.regenerate.enabled and not d.hidden_states
+    if regenerating and dataset is not None:
+        raise UserError(
+            "data.regenerate rewrites the replies of the conversations in data.train, but a "
+            "tokenised dataset was passed: pass the conversations as data.train instead, "
+            "or set data.regenerate.enabled=false"
+        )
+    load = functools.cache(lambda: target or _load_target(config))  # only when a stage needs it
+    stages = []
+    if regenerating:
+        regenerated = out / "regenerated.jsonl"
+        source = config  # whose conversations get the target's replies
+
+        def regenerate() -> Path:
+            return regenerated_data(source, out, load())
+
+        stages.append(Stage("regenerate", regenerated, regenerate, _agreed(Path.is_file)))
         config = copy.deepcopy(config)
-        config.data.train = str(regenerated_data(config, output_dir, target))
+        config.data.train = str(regenerated)
         dataset = None
-    if config.data.hidden_states:
-        inputs = offline_inputs(config)
-    elif config.data.offline:
-        inputs = offline_inputs(config, build_cache(config, output_dir, target, dataset))
-    else:
-        inputs = online_inputs(config, target, dataset)
-    return Trainer(config, output_dir, inputs, resume=resume, stop_after=stop_after).run()
+    cache = config.data.hidden_states
+    if config.data.offline and not cache:
+        cache = out / "hidden-states"
+        run = functools.partial(build_cache, config, cache, load, dataset)
+        stages.append(Stage("hidden states", cache, run, _agreed(HiddenStateCache.is_complete)))
+    run_stages(stages)
+    inputs = offline_inputs(config, cache) if cache else online_inputs(config, load(), dataset)
+    return Trainer(config, out, inputs, resume=resume).run()
+
+
+def _agreed(done: Callable[[Path], bool]) -> Callable[[Path], bool]:
+    """`done` as the main process answers it: every rank then runs a stage (and its
+    collectives) or skips it, even when another rank checks after the main one wrote."""
+
+    def check(path: Path) -> bool:
+        from accelerate.utils import broadcast_object_list
+
+        return broadcast_object_list([done(path)])[0]
+
+    return check
 
 
 def _load_target(config: TrainConfig) -> Any:
@@ -629,22 +694,17 @@ def regenerated_data(config: TrainConfig, output_dir: str | Path, target: Any) -
 
 
 def build_cache(
-    config: TrainConfig, output_dir: str | Path, target: Any = None, dataset: Any = None
-) -> Path:
-    """data.offline: run the target once over the data into OUT/hidden-states (resumable,
-    sharded over processes), so every epoch after reads it instead of running the target."""
+    config: TrainConfig, path: Path, load_target: Callable[[], Any], dataset: Any = None
+) -> None:
+    """data.offline: run the target once over the data into `path` (resumable, sharded over
+    processes), so every epoch after reads it instead of running the target."""
     from accelerate import PartialState
 
     from eagletools.data import prepare
-    from eagletools.data.hidden_states import HiddenStateCache, write_hidden_states
+    from eagletools.data.hidden_states import write_hidden_states
 
-    path = Path(output_dir) / "hidden-states"
-    if HiddenStateCache.is_complete(path):
-        return path
     state = PartialState(cpu=not torch.cuda.is_available())
-    d = config.data
-    if target is None:
-        target = _load_target(config)
+    d, target = config.data, load_target()
     key = "given"
     if dataset is None:
         prepared = prepare(config.target.spec, d.train, d.max_length, d.num_samples,
@@ -657,4 +717,3 @@ def build_cache(
         world_size=state.num_processes,
     )  # fmt: skip
     state.wait_for_everyone()
-    return path
