@@ -31,6 +31,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="time a grid of (topk, depth, num_draft_tokens) first and use the fastest",
     )
     p.add_argument("--autotune-prompts", type=int, default=3)
+    p.add_argument(
+        "--engine",
+        default="ours",
+        choices=("ours", "vllm", "llama.cpp"),
+        help="decode inside this engine: ours (the tree decoder), or a serving engine started "
+        "on 127.0.0.1 (vllm: a speculators/eagle draft; llama.cpp: a GGUF draft), drafting a "
+        "chain of --depth tokens; install them with make engine-vllm / engine-llamacpp",
+    )
+    p.add_argument("--engine-port", type=int, help="port for the engine's server (default: free)")
+    p.add_argument(
+        "--engine-timeout",
+        type=float,
+        default=900.0,
+        help="seconds the engine's server may take to start (vLLM compiles on first start)",
+    )
     p.add_argument("--wandb", metavar="PROJECT", help="log the run to wandb (offline mode works)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_decoding_args(p)
@@ -38,6 +53,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _eval(args: argparse.Namespace) -> int:
+    from eagletools.errors import UserError
     from eagletools.eval.benchmarks import load_benchmark
     from eagletools.eval.report import log_wandb, markdown, write_report
     from eagletools.eval.runner import run_eval
@@ -50,8 +66,18 @@ def _eval(args: argparse.Namespace) -> int:
         hf_baseline=args.hf_baseline,
         autotune=args.autotune,
         autotune_prompts=args.autotune_prompts,
+        engine=args.engine,
+        engine_port=args.engine_port,
+        engine_timeout=args.engine_timeout,
     )
-    results = run_eval(s, questions, progress=not args.no_progress)
+    if s.engine == "ours":
+        results = run_eval(s, questions, progress=not args.no_progress)
+    else:
+        from eagletools.eval.engine_runner import run_engine_eval
+
+        if args.autotune or args.hf_baseline:
+            raise UserError("--autotune and --hf-baseline go with --engine ours")
+        results = run_engine_eval(s, questions, args.output_dir, progress=not args.no_progress)
     files = write_report(results, args.output_dir)
     if args.wandb:
         log_wandb(results, files, args.wandb)

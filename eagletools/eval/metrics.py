@@ -12,11 +12,36 @@ from collections import defaultdict
 
 def acceptance(accepted: list[int], depth: int) -> tuple[float, list[float]]:
     """(tau, rate[i] = share of verify steps that accepted at least i+1 drafts)."""
-    if not accepted:
+    return rates(counts(accepted, depth), depth)
+
+
+def counts(accepted: list[int], depth: int) -> dict:
+    """Per-step accepted drafts as the counters an engine keeps: steps, accepted, per position."""
+    per_position = [sum(a > i for a in accepted) for i in range(depth)]
+    return {"steps": len(accepted), "accepted": sum(accepted), "per_position": per_position}
+
+
+def rates(c: dict, depth: int) -> tuple[float, list[float]]:
+    """(tau, per-position acceptance rates) from counters."""
+    if not c["steps"]:
         return 1.0, [0.0] * depth
-    steps = len(accepted)
-    tau = 1 + sum(accepted) / steps
-    return tau, [sum(a > i for a in accepted) / steps for i in range(depth)]
+    per_position = (c["per_position"] + [0] * depth)[:depth]
+    return 1 + c["accepted"] / c["steps"], [n / c["steps"] for n in per_position]
+
+
+def _total_counts(records: list[dict], depth: int) -> dict:
+    """Counters over every speculative run: from our per-step lists or an engine's counters."""
+    total = {"steps": 0, "accepted": 0, "per_position": [0] * depth}
+    for r in records:
+        if "speculative" not in r:
+            continue
+        spec = r["speculative"]
+        c = counts(spec["accepted"], depth) if "accepted" in spec else spec["acceptance"]
+        total["steps"] += c["steps"]
+        total["accepted"] += c["accepted"]
+        for i, n in enumerate(c["per_position"][:depth]):
+            total["per_position"][i] += n
+    return total
 
 
 def _throughput(records: list[dict], key: str) -> dict | None:
@@ -47,8 +72,9 @@ def _rate(records: list[dict], key: str) -> float | None:
 
 
 def summarize(records: list[dict], depth: int, by_category: bool = True) -> dict:
-    accepted = [a for r in records if "speculative" in r for a in r["speculative"]["accepted"]]
-    tau, per_position = acceptance(accepted, depth)
+    total = _total_counts(records, depth)
+    accepted = total["steps"] > 0
+    tau, per_position = rates(total, depth)
     throughput = {
         name: _throughput(records, name) for name in ("baseline", "speculative", "hf_generate")
     }
@@ -62,7 +88,7 @@ def summarize(records: list[dict], depth: int, by_category: bool = True) -> dict
         "prompts": len(records),
         "tau": tau if accepted else None,
         "per_position_acceptance": per_position if accepted else None,
-        "verify_steps": len(accepted),
+        "verify_steps": total["steps"],
         "tokens_per_s": {k: v and v["total"] for k, v in throughput.items()},
         "new_tokens": {k: v and v["tokens"] for k, v in throughput.items()},
         "speedup": speedup,

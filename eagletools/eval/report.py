@@ -42,18 +42,27 @@ def markdown(results: dict) -> str:
     ]  # fmt: skip
     rows = [_row("all", s)]
     rows += [_row(name, c) for name, c in s.get("per_category", {}).items()]
+    engine = cfg.get("engine", "ours")
+    shape = (
+        f"chain of {cfg['depth']} drafts"
+        if engine != "ours"
+        else f"tree topk={cfg['topk']} depth={cfg['depth']} "
+        f"num_draft_tokens={cfg['num_draft_tokens']}"
+    )
     lines = [
-        f"# eagletools eval: {cfg['bench']}",
+        f"# eagletools eval: {cfg['bench']}, engine {engine}",
         "",
-        f"target `{cfg['target']}`, draft `{cfg['draft']}`, {cfg['dtype']}, "
-        f"tree topk={cfg['topk']} depth={cfg['depth']} "
-        f"num_draft_tokens={cfg['num_draft_tokens']}, max_new_tokens={cfg['max_new_tokens']}, "
-        f"temperature={cfg['temperature']}",
+        f"target `{cfg['target']}`, draft `{cfg['draft']}`, {cfg['dtype']}, {shape}, "
+        f"max_new_tokens={cfg['max_new_tokens']}, temperature={cfg['temperature']}",
         "",
         "| " + " | ".join(head) + " |",
         "|" + "---|" * len(head),
         *("| " + " | ".join(r) + " |" for r in rows),
     ]
+    vs_base = (s["speedup"]["vs_baseline"] or {}).get("total_over_total")
+    if vs_base is not None and vs_base < 1:
+        lines += ["", f"**The draft makes {engine} slower than plain decoding here: "
+                  f"x{vs_base:.2f} of its tokens/s without the draft.**"]  # fmt: skip
     if bw := results.get("bandwidth"):
         parts = [
             f"{name} {d['gb_per_s']:.1f} GB/s ({d['share']:.0%})"

@@ -61,6 +61,9 @@ class Settings:
     allow_pickle: bool = False
     device: str = "auto"  # resolved on construction: auto is CUDA where torch sees it, else CPU
     chat_template: str | None = None  # a Jinja file or text, for tokenizers without one
+    engine: str = "ours"  # or a serving engine (eagletools.engines): vllm, llama.cpp
+    engine_port: int | None = None  # a free one is chosen when busy or unset
+    engine_timeout: float = 900.0  # seconds a server may take to become ready
 
     def __post_init__(self) -> None:
         self.dtype = dtype_name(self.dtype, "--dtype")
@@ -317,10 +320,10 @@ def run_eval(
     """Every question through every decoder; returns the results dict (see eval.report)."""
     from tqdm.auto import tqdm
 
+    from eagletools.eval import bandwidth
     from eagletools.eval.metrics import summarize
 
     decoders = decoders or load_decoders(s)
-    from eagletools.eval import bandwidth
     at_start = machine()
     tuned = None
     if s.autotune:
@@ -332,10 +335,10 @@ def run_eval(
     records = []
     for question in tqdm(questions, desc="eval", unit="prompt", disable=not progress):
         records.append(evaluate_question(decoders, s, question, generator))
+    summary = summarize(records, s.depth)
     return {
         "settings": asdict(s),
         # other jobs on a shared machine skew timings: the load average says how much
-    summary = summarize(records, s.depth)
         "machine": at_start | {"load_average_at_end": machine()["load_average_at_start"]},
         "summary": summary,
         "bandwidth": bandwidth.achieved(decoders.runtime, summary["tokens_per_s"], s.device),
