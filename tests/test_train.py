@@ -375,6 +375,7 @@ def test_tensorboard_tracker_writes_events(tmp_path):
 def test_regenerate_section_trains_on_the_targets_own_replies(tmp_path, offline):
     """data.regenerate: OUT/regenerated.jsonl holds the target's replies; training uses it
     (online, or through the hidden-state cache built from it)."""
+    from eagletools.data.regenerate import is_regenerated
     from eagletools.target import load_tokenizer
 
     tokenizer = load_tokenizer("smollm2-135m")
@@ -402,6 +403,9 @@ def test_regenerate_section_trains_on_the_targets_own_replies(tmp_path, offline)
     assert all([m["role"] for m in r["messages"]] == ["user", "assistant"] for r in regenerated)
     assert not any(r["messages"][1]["content"] == "a human answer" for r in regenerated)
     assert result["steps"] == 2 and result["mode"] == ("offline" if offline else "online")
+    identity = trainer_mod._regeneration_identity(config)  # a rerun skips the stage, unless
+    assert is_regenerated(tmp_path / "o" / "regenerated.jsonl", identity)  # settings differ
+    assert not is_regenerated(tmp_path / "o" / "regenerated.jsonl", {**identity, "seed": 1})
     with pytest.raises(UserError, match="data.regenerate.max_new_tokens"):
         tiny_config("data.regenerate.max_new_tokens=0")
 

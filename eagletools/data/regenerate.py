@@ -230,6 +230,14 @@ def server_generator(
     return generate
 
 
+def is_regenerated(output: str | Path, identity: dict[str, Any]) -> bool:
+    """Whether `output` is complete and was made with `identity` (with other settings it is
+    not: `regenerate` then refuses the parts rather than reusing them)."""
+    output = Path(output)
+    stamp = output.with_name(output.name + ".parts") / "identity.json"
+    return output.is_file() and stamp.is_file() and json.loads(stamp.read_text()) == identity
+
+
 def regenerate(
     conversations: list[Conversation],
     generate: Generate,

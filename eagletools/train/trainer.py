@@ -624,16 +624,18 @@ def train(
     load = functools.cache(lambda: target or _load_target(config))  # only when a stage needs it
     stages = []
     if regenerating:
-        regenerated = out / "regenerated.jsonl"
+        from eagletools.data.regenerate import is_regenerated
+
+        regenerated, identity = out / "regenerated.jsonl", _regeneration_identity(config)
         source = config  # whose conversations get the target's replies
 
         def regenerate() -> Path:
             return regenerated_data(source, out, load())
 
-        stages.append(Stage("regenerate", regenerated, regenerate, _agreed(Path.is_file)))
+        done = _agreed(lambda path: is_regenerated(path, identity))
+        stages.append(Stage("regenerate", regenerated, regenerate, done))
         config = copy.deepcopy(config)
         config.data.train = str(regenerated)
-        dataset = None
     cache = config.data.hidden_states
     if config.data.offline and not cache:
         cache = out / "hidden-states"
@@ -684,13 +686,18 @@ def regenerated_data(config: TrainConfig, output_dir: str | Path, target: Any) -
         sampling = Sampling(r.max_new_tokens, r.temperature, 1.0, config.training.seed)
         set_chat_template(target.tokenizer, d.chat_template)  # the prompts' template, too
         generate = local_generator(target, sampling, r.batch_size, r.max_prompt_tokens)
-        identity = {"data": d.train, "split": d.split, "revision": d.revision,
-                    "num_samples": d.num_samples, "target": config.target.spec,
-                    "seed": config.training.seed, **dataclasses.asdict(r)}  # fmt: skip
-        regenerate(conversations, generate, out, identity=identity, max_turns=r.max_turns,
-                   chunk_size=4 * r.batch_size)  # fmt: skip
+        regenerate(conversations, generate, out, identity=_regeneration_identity(config),
+                   max_turns=r.max_turns, chunk_size=4 * r.batch_size)  # fmt: skip
     state.wait_for_everyone()
     return out
+
+
+def _regeneration_identity(config: TrainConfig) -> dict[str, Any]:
+    """What the regenerated replies depend on; replies made with other values are not reused."""
+    d = config.data
+    return {"data": d.train, "split": d.split, "revision": d.revision,
+            "num_samples": d.num_samples, "target": config.target.spec,
+            "seed": config.training.seed, **dataclasses.asdict(d.regenerate)}  # fmt: skip
 
 
 def build_cache(
