@@ -26,10 +26,10 @@ def main() -> None:
     parser.add_argument("--draft-vocab", type=int, default=8192)
     args = parser.parse_args()
 
-    from eagletools.config import load_config
     from eagletools.data import prepare
     from eagletools.data.hidden_states import HiddenStateCache, write_hidden_states
     from eagletools.target import load_target
+    from eagletools.train.recipe import load_config
     from eagletools.train.trainer import Trainer, offline_inputs, online_inputs
 
     target = load_target("smollm2-135m")

@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from eagletools.atomic import write_text
-from eagletools.config import TrainConfig
 from eagletools.devices import resolve_device
 from eagletools.eval.benchmarks import Question
 from eagletools.stages import Stage, run_stages
+from eagletools.train.recipe import TrainConfig
 
 log = logging.getLogger(__name__)
 

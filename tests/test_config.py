@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from eagletools.commands.train import split_recipe
-from eagletools.config import TrainConfig, dump_config, load_config, parse_overrides
 from eagletools.errors import UserError
+from eagletools.train.recipe import TrainConfig, dump_config, load_config, parse_overrides
 
 RECIPES = Path(__file__).parent.parent / "recipes"
 

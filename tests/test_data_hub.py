@@ -191,7 +191,7 @@ def test_recipe_hub_id_trains_a_tiny_target(hub, target_dir, tmp_path, monkeypat
 
 
 def test_recipe_hub_fields_are_typed():
-    from eagletools.config import load_config
+    from eagletools.train.recipe import load_config
 
     config = load_config(None, ["data.split=test_sft", "data.streaming=true"])
     assert config.data.hub() == HubOptions("test_sft", None, True)

@@ -43,8 +43,8 @@ def test_device_defaults_to_auto_everywhere(argv, cuda):
 
 def test_eval_settings_and_the_recipe_default_to_auto(cuda):
     from eagletools.commands.generate import settings_from_args
-    from eagletools.config import EvalSection
     from eagletools.eval.runner import Settings
+    from eagletools.train.recipe import EvalSection
 
     assert Settings().device == "cuda"
     args = build_parser().parse_args(["eval", "--output-dir", "out"])
@@ -73,8 +73,8 @@ def test_cuda_without_cuda_is_a_clear_error(fresh_state, monkeypatch, capsys):
 
 
 def test_pipeline_eval_device_fails_before_training(fresh_state, monkeypatch, tmp_path):
-    from eagletools.config import load_config
     from eagletools.pipeline import stages
+    from eagletools.train.recipe import load_config
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     config = load_config(overrides=["eval.device=cuda", "eval.benchmarks=[mt-bench]"])

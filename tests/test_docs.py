@@ -195,8 +195,8 @@ def parse_eagletools(args: list[str], where: str) -> None:
 def check_recipe(args: list[str], where: str) -> None:
     """A `train`/`pipeline` line's recipe and dotted overrides resolve (unknown keys fail)."""
     from eagletools.commands.train import split_recipe
-    from eagletools.config import load_config
     from eagletools.errors import UserError
+    from eagletools.train.recipe import load_config
 
     ns = build_parser().parse_args(args)
     recipe, overrides = split_recipe(ns.recipe_and_overrides)
@@ -311,7 +311,7 @@ def test_help_examples_parse():
 
 
 def test_quoted_recipe_values_match_the_recipes():
-    from eagletools.config import _yaml_load, load_config
+    from eagletools.train.recipe import _yaml_load, load_config
 
     blocks = [b for b in ALL_BLOCKS if b.mode == "values"]
     assert blocks, "docs/recipes.md quotes no recipe values"

@@ -31,7 +31,7 @@ def test_unknown_dtype_names_where_and_lists_known():
 
 
 def test_recipe_dtype_fields_take_both_spellings():
-    from eagletools.config import load_config
+    from eagletools.train.recipe import load_config
 
     # target.dtype=bf16 used to reach getattr(torch, "bf16") in the trainer: a traceback
     config = load_config(overrides=["target.dtype=bf16", "training.precision=bfloat16"])
@@ -41,7 +41,7 @@ def test_recipe_dtype_fields_take_both_spellings():
 
 
 def test_recipe_unknown_dtype_names_file_and_field(tmp_path):
-    from eagletools.config import load_config
+    from eagletools.train.recipe import load_config
 
     recipe = tmp_path / "r.yaml"
     recipe.write_text("target:\n  dtype: brainfloat\n")

@@ -111,8 +111,8 @@ def test_a_missing_benchmark_fails_before_training(tmp_path, monkeypatch, capsys
 
 def test_builtin_spec_bench_is_read_before_training(tmp_path):
     """Spec-Bench ships with the package: the pipeline samples it across its categories."""
-    from eagletools.config import load_config
     from eagletools.pipeline import _read_benchmarks
+    from eagletools.train.recipe import load_config
 
     _, bench = write_inputs(tmp_path)
     config = load_config(None, [f"eval.benchmarks=[spec-bench, {bench}]", "eval.num_prompts=3"])

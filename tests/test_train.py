@@ -8,11 +8,11 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from eagletools.config import load_config
 from eagletools.errors import UserError
 from eagletools.target import Target, TargetInfo
 from eagletools.train import trainer as trainer_mod
 from eagletools.train.data import plan_epoch, split_indices
+from eagletools.train.recipe import load_config
 from eagletools.train.trainer import Trainer, online_inputs, train
 from eagletools.train.ttt import TTTModel
 

@@ -46,7 +46,7 @@ def split_recipe(items: list[str]) -> tuple[str | None, list[str]]:
 def _train(args: argparse.Namespace) -> int:
     import json
 
-    from eagletools.config import dump_config, load_config
+    from eagletools.train.recipe import dump_config, load_config
 
     recipe, overrides = split_recipe(args.recipe_and_overrides)
     if args.report_to:

@@ -26,7 +26,6 @@ from typing import Any
 import torch
 
 from eagletools.atomic import atomic_file, write_text
-from eagletools.config import TrainConfig, dump_config
 from eagletools.data.batch import SampleSource
 from eagletools.errors import UserError
 from eagletools.stages import Stage, run_stages
@@ -40,6 +39,7 @@ from eagletools.train.data import (
     total_steps,
     trainable,
 )
+from eagletools.train.recipe import TrainConfig, dump_config
 from eagletools.train.ttt import StepStats, TTTModel, step_counts, summarize, teacher_targets
 
 log = logging.getLogger(__name__)
