@@ -21,7 +21,7 @@ from eagletools import kernels
 from eagletools.cpu_ops import PackedLinear
 from eagletools.draft.model import RMSNorm, meta_device
 from eagletools.errors import UserError
-from eagletools.rope import RotaryEmbedding, rotate_half
+from eagletools.rope import RotaryEmbedding
 from eagletools.target import anatomy
 from eagletools.target.anatomy import DEFAULT_ROPE_THETA
 
@@ -146,12 +146,14 @@ def attention(q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
         attn_mask = mask[:, None] if per_row else mask
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=True)
     group = hq // hkv
-    scores = q.reshape(b, hkv, group * t, d).float() @ k.float().transpose(-1, -2) * d**-0.5
+    q32 = q.reshape(b * hkv, group * t, d).float()
+    k, v = k.float().reshape(b * hkv, s, d), v.float().reshape(b * hkv, s, d)
+    scores = torch.baddbmm(q32.new_empty(()), q32, k.transpose(1, 2), beta=0, alpha=d**-0.5)
     if mask is not None:
         mask = mask[:, None, None] if per_row else mask
         scores = scores.view(b, hkv, group, t, s).masked_fill(~mask, float("-inf"))
-    probs = scores.view(b, hkv, group * t, s).softmax(-1)
-    return (probs @ v.float()).to(q.dtype).view(b, hq, t, d)
+    probs = scores.view(b * hkv, group * t, s).softmax(-1)
+    return torch.bmm(probs, v).to(q.dtype).view(b, hq, t, d)
 
 
 class Attention(nn.Module):
@@ -174,7 +176,8 @@ class Attention(nn.Module):
         if hasattr(self, "q_norm"):
             q, k = qk.split([self.n_heads, self.n_kv], dim=2)
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=2)
-        qk = qk * cos + rotate_half(qk) * sin  # q and k heads in one pass: fewer ops per layer
+        # q and k heads in one pass; `sin` carries rotate_half's sign: fewer ops per layer
+        qk = qk * cos + qk.roll(self.hd // 2, -1) * sin
         q, k = qk.transpose(1, 2).split([self.n_heads, self.n_kv], dim=1)
         v = v.view(b, t, self.n_kv, self.hd).transpose(1, 2)
         k, v = self.kv_cache.update(start, k, v)
@@ -337,7 +340,10 @@ class Transformer(nn.Module):
             mask = mask & key_mask[:, None, : start + t]
             # a padding query sees itself, so its (unused) output stays finite
             mask[..., start:] |= torch.eye(t, dtype=torch.bool, device=self.device)
-        cos, sin = (c.unsqueeze(-2) for c in self.rotary(positions, self.dtype))  # [T,1,hd]
+        cos, sin = self.rotary(positions, self.dtype)
+        half = sin.shape[-1] // 2  # rotate_half(x) * sin == x.roll(half) * signed sin, exactly
+        sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # [T,1,hd]
         x = self.tok_embeddings(input_ids)
         states = {}
         for i, block in enumerate(self.layers):
