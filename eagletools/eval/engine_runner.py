@@ -13,6 +13,7 @@ of `depth` tokens: the engines draft chains, not trees.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -53,10 +54,11 @@ def _engine_draft(draft: str, engine: Engine, target: str) -> str:
 
     path = Path(draft)
     if "gguf" in engine.draft_formats:
-        found = [path] if path.suffix == ".gguf" else sorted(path.glob("*.gguf"))
-        if path.is_file() and path.suffix == ".gguf" or len(found) == 1:
-            return str(found[0])
+        found = sorted(path.glob("*.gguf")) if path.is_dir() else [path]
+        if len(found) == 1 and _is_gguf(found[0]):
+            return str(found[0].resolve())
         fmt = "a folder with " + ("several .gguf files" if found else "no .gguf file")
+        fmt = fmt if path.is_dir() else "not a GGUF file"
     else:
         fmt = detect_format(draft) if path.is_dir() else f"a {path.suffix or 'plain'} file"
         if fmt in engine.draft_formats:
@@ -67,6 +69,11 @@ def _engine_draft(draft: str, engine: Engine, target: str) -> str:
         f"{fmt}; convert it: eagletools convert {draft} {path.with_name(path.name + '-' + wanted)} "
         f"--to {wanted} --target {target}"
     )
+
+
+def _is_gguf(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
 
 
 def _max_len(target: Path | str) -> int:
@@ -143,7 +150,7 @@ def run_engine_eval(
     args = dict(
         target=target, num_speculative_tokens=s.depth, dtype=s.dtype,
         max_model_len=_max_len(folder if folder.is_dir() else target), device=s.device,
-        threads=s.threads,
+        threads=s.threads or os.cpu_count(),  # every engine gets the same cores
     )  # fmt: skip
     started = time.perf_counter()
     log_dir = Path(log_dir)

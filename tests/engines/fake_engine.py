@@ -19,7 +19,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 ARGS = sys.argv[1:]
 MODE = os.environ.get("FAKE_ENGINE_MODE", "")
-LLAMA = "-m" in ARGS
+LLAMA = "--metrics" in ARGS  # llama-server; vLLM serves /metrics unasked
 PORT = int(ARGS[ARGS.index("--port") + 1])
 if LLAMA:
     K = int(ARGS[ARGS.index("--spec-draft-n-max") + 1]) if "-md" in ARGS else 0
