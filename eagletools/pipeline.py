@@ -7,7 +7,10 @@ stage resumes from its last checkpoint. Layout of the run folder:
     train/          training run (checkpoints, metrics.json, final/ in eagle format)
     eagle/          the draft for SGLang, SpecForge, TensorRT-LLM, EAGLE
     speculators/    the draft for vLLM
+    draft.gguf      the draft for llama.cpp (when eval.engines names it)
     eval/<bench>/   results.json, results.md, PNG plots
+    engines/<name>/ the first benchmark inside each installed engine of eval.engines,
+                    and in ours with the same chain (engines/ours-chain/)
     report.md       the summary below, with links
 """
 
@@ -109,6 +112,73 @@ def stages(config: TrainConfig, out: Path) -> list[Stage]:
             Stage(f"eval {b}", out / "eval" / bench_name(b) / "results.json", evaluate(b))
             for b in questions
         ),
+        *engine_stages(config, out, questions, device),
+    ]
+
+
+def installed_engines(config: TrainConfig) -> list[str]:
+    """The recipe's engines that are installed here; the others are skipped with a note."""
+    from eagletools.engines import ENGINES
+    from eagletools.errors import UserError
+
+    found = []
+    for name in config.eval.engines:
+        if name not in ENGINES:
+            raise UserError(f"eval.engines: unknown engine {name!r}; known: {', '.join(ENGINES)}")
+        try:
+            ENGINES[name].program()
+        except UserError as err:
+            log.warning("eval.engines: skipping %s: %s", name, err)
+            continue
+        found.append(name)
+    return found
+
+
+def engine_stages(
+    config: TrainConfig, out: Path, questions: dict[str, list[Question]], device: str
+) -> list[Stage]:
+    """The first benchmark in each installed engine, and in ours with the engines' chain."""
+    engines = installed_engines(config)
+    if not engines or not questions:
+        return []
+    from eagletools.formats.convert import convert
+
+    bench = next(iter(questions))
+    drafts = {"vllm": out / "speculators", "llama.cpp": out / "draft.gguf", "ours": out / "eagle"}
+
+    def evaluate(engine: str) -> Callable[[], Any]:
+        def run() -> None:
+            from eagletools.eval.engine_runner import run_engine_eval
+            from eagletools.eval.report import write_report
+            from eagletools.eval.runner import Settings, run_eval
+
+            e = config.eval
+            folder = out / "engines" / ("ours-chain" if engine == "ours" else engine)
+            s = Settings(
+                target=config.target.spec, draft=str(drafts[engine]), bench=bench,
+                num_prompts=e.num_prompts, max_new_tokens=e.max_new_tokens, topk=1,
+                depth=e.engine_depth, num_draft_tokens=e.engine_depth + 1,
+                dtype=config.target.dtype, threads=config.training.num_threads,
+                device=device, chat_template=config.data.chat_template, engine=engine,
+            )  # fmt: skip
+            if engine == "ours":
+                results = run_eval(s, questions[bench])
+            else:
+                results = run_engine_eval(s, questions[bench], folder)
+            write_report(results, folder)
+
+        return run
+
+    gguf = lambda: convert(  # noqa: E731
+        out / "train" / "final", drafts["llama.cpp"], "gguf", target=config.target.spec,
+        log=log.info,
+    )  # fmt: skip
+    return [
+        *([Stage("convert gguf", drafts["llama.cpp"], gguf)] if "llama.cpp" in engines else []),
+        *(
+            Stage(f"{bench} in {name}", out / "engines" / folder / "results.json", evaluate(name))
+            for name, folder in [("ours", "ours-chain"), *((n, n) for n in engines)]
+        ),
     ]
 
 
@@ -143,6 +213,7 @@ def summarize(config: TrainConfig, out: Path) -> dict[str, Any]:
         "benchmarks": {},
         "report": str(out / "report.md"),
     }
+    summary["engines"] = _engine_rows(out)
     for bench in map(bench_name, config.eval.benchmarks):
         path = out / "eval" / bench / "results.json"
         if not path.is_file():  # skipped: its questions could not be had here
@@ -157,6 +228,49 @@ def summarize(config: TrainConfig, out: Path) -> dict[str, Any]:
             "report": str(path.with_name("results.md")),
         }
     return summary
+
+
+def _engine_rows(out: Path) -> list[dict[str, Any]]:
+    """One row per engine run under engines/: the figures the report's engine table shows."""
+    rows = []
+    for path in sorted((out / "engines").glob("*/results.json")):
+        results = json.loads(path.read_text())
+        s = results["summary"]
+        rows.append({
+            "engine": results["settings"].get("engine", "ours"),
+            "depth": results["settings"]["depth"],
+            "dtype": results["settings"]["dtype"],
+            "tokens_per_s": s["tokens_per_s"],
+            "tau": s["tau"],
+            "per_position_acceptance": s["per_position_acceptance"],
+            "speedup": (s["speedup"]["vs_baseline"] or {}).get("total_over_total"),
+            "greedy_match_rate": s["greedy_match_rate"],
+            "report": str(path.with_name("results.md")),
+        })  # fmt: skip
+    return rows
+
+
+def engine_table(rows: list[dict[str, Any]]) -> list[str]:
+    """Markdown: each engine with and without the draft; a draft that slows one is said so."""
+    if not rows:
+        return []
+    lines = [
+        "| engine | chain | tok/s without draft | tok/s with draft | speedup | acceptance length "
+        "| per position | greedy match |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        per = ", ".join(_fmt(a) for a in r["per_position_acceptance"] or [])
+        tps = r["tokens_per_s"]
+        lines.append(
+            f"| {r['engine']} | {r['depth']} | {_fmt(tps['baseline'], 1)} "
+            f"| {_fmt(tps['speculative'], 1)} | {_fmt(r['speedup'])} | {_fmt(r['tau'])} "
+            f"| {per} | {_fmt(r['greedy_match_rate'])} |"
+        )
+    slower = [r["engine"] for r in rows if r["speedup"] is not None and r["speedup"] < 1]
+    if slower:
+        lines += ["", f"**The draft makes {', '.join(slower)} slower than plain decoding here.**"]
+    return lines
 
 
 def _fmt(value: Any, digits: int = 2) -> str:
@@ -211,6 +325,8 @@ def report_markdown(summary: dict[str, Any]) -> str:
             "[speculators](speculators/) (vLLM)",
             "",
             *rows,
+            "",
+            *engine_table(summary.get("engines", [])),
             "",
         ]
     )

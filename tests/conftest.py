@@ -7,6 +7,9 @@ is used only by tests marked `integration`.
 from __future__ import annotations
 
 import os
+import stat
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -110,3 +113,31 @@ def tiny_target(tmp_path_factory):
     tiny_model("llama", seed=3, vocab_size=384).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def _executable(path: Path, body: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(body)
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return path
+
+
+@pytest.fixture
+def fake_engines(tmp_path, monkeypatch) -> Path:
+    """An .engines folder as `make engine-*` lays it out, holding the fake servers."""
+    root = tmp_path / "engines"
+    fake = Path(__file__).parent / "engines" / "fake_engine.py"
+    run_fake = f'#!/bin/sh\nexec "{sys.executable}" "{fake}" "$@"\n'
+    _executable(root / "vllm/bin/python", run_fake)
+    _executable(root / "llama.cpp/bin/llama-server", run_fake)
+    converter = (
+        "import sys\nout = sys.argv[sys.argv.index('--outfile') + 1]\n"
+        "open(out, 'wb').write(b'GGUF fake target')\n"
+    )
+    (root / "llama.cpp/src").mkdir(parents=True)
+    (root / "llama.cpp/src/convert_hf_to_gguf.py").write_text(converter)
+    monkeypatch.setenv("EAGLETOOLS_ENGINES", str(root))
+    monkeypatch.setenv("EAGLETOOLS_CACHE", str(tmp_path / "cache"))
+    for var in ("EAGLETOOLS_VLLM_PYTHON", "EAGLETOOLS_LLAMA_SERVER", "FAKE_ENGINE_MODE"):
+        monkeypatch.delenv(var, raising=False)
+    return root

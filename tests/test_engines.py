@@ -10,7 +10,6 @@ import json
 import os
 import signal
 import socket
-import stat
 import sys
 import time
 from pathlib import Path
@@ -25,33 +24,6 @@ from eagletools.engines.server import free_port, serve
 from eagletools.errors import UserError
 
 FAKE = Path(__file__).parent / "engines" / "fake_engine.py"
-
-
-def _executable(path: Path, body: str) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(body)
-    path.chmod(path.stat().st_mode | stat.S_IXUSR)
-    return path
-
-
-@pytest.fixture
-def engines(tmp_path, monkeypatch) -> Path:
-    """An .engines folder as `make engine-*` lays it out, holding the fake servers."""
-    root = tmp_path / "engines"
-    run_fake = f'#!/bin/sh\nexec "{sys.executable}" "{FAKE}" "$@"\n'
-    _executable(root / "vllm/bin/python", run_fake)
-    _executable(root / "llama.cpp/bin/llama-server", run_fake)
-    converter = (
-        "import sys\nout = sys.argv[sys.argv.index('--outfile') + 1]\n"
-        "open(out, 'wb').write(b'GGUF fake target')\n"
-    )
-    (root / "llama.cpp/src").mkdir(parents=True)
-    (root / "llama.cpp/src/convert_hf_to_gguf.py").write_text(converter)
-    monkeypatch.setenv("EAGLETOOLS_ENGINES", str(root))
-    monkeypatch.setenv("EAGLETOOLS_CACHE", str(tmp_path / "cache"))
-    for var in ("EAGLETOOLS_VLLM_PYTHON", "EAGLETOOLS_LLAMA_SERVER", "FAKE_ENGINE_MODE"):
-        monkeypatch.delenv(var, raising=False)
-    return root
 
 
 def _gone(pid: int, wait: float = 10.0) -> bool:
@@ -110,7 +82,7 @@ def test_llamacpp_per_position_from_its_log(tmp_path):
 
 
 @pytest.mark.parametrize("engine", ["vllm", "llama.cpp"])
-def test_engine_eval_reads_the_engines_counters(engine, engines, tiny_target, tmp_path):
+def test_engine_eval_reads_the_engines_counters(engine, fake_engines, tiny_target, tmp_path):
     draft = tmp_path / "draft"
     draft.mkdir()
     if engine == "llama.cpp":
@@ -144,7 +116,7 @@ def test_engine_eval_reads_the_engines_counters(engine, engines, tiny_target, tm
     assert "engine vllm" in (tmp_path / "out" / "results.md").read_text() or engine != "vllm"
 
 
-def test_divergence_is_reported_with_its_position(engines, tiny_target, tmp_path, monkeypatch):
+def test_divergence_is_reported_with_its_position(fake_engines, tiny_target, tmp_path, monkeypatch):
     draft = tmp_path / "draft"
     draft.mkdir()
     (draft / "config.json").write_text(json.dumps({"speculators_model_type": "eagle3"}))
@@ -163,7 +135,7 @@ def test_engine_not_installed_names_the_make_target(tmp_path, monkeypatch, tiny_
 
 
 def test_a_draft_the_engine_cannot_load_names_the_convert_command(
-    engines,
+    fake_engines,
     tiny_target,
     tmp_path,
     capsys,

@@ -119,3 +119,33 @@ def test_builtin_spec_bench_is_read_before_training(tmp_path):
     questions = _read_benchmarks(config)
     assert list(questions) == ["spec-bench", str(bench)]
     assert len({q.category for q in questions["spec-bench"]}) == 3
+
+
+def test_pipeline_measures_the_draft_inside_installed_engines(
+    target_dir, tmp_path, fake_engines, caplog
+):
+    """eval.engines: vLLM (installed, here the fake) runs the first benchmark beside our
+    decoder with the same chain; an engine that is not installed is skipped with a note."""
+    import shutil
+
+    data, bench = write_inputs(tmp_path)
+    shutil.rmtree(fake_engines / "llama.cpp")
+    out = tmp_path / "run"
+    args = pipeline_args(target_dir, data, bench, out)
+    args[1:1] = ["eval.engines=[vllm, llama.cpp]", "eval.engine_depth=2"]
+    assert main(args) == 0
+    assert (
+        "skipping llama.cpp: llama.cpp is not installed: run `make engine-llamacpp`" in caplog.text
+    )
+    summary = json.loads((out / "summary.json").read_text())
+    rows = {r["engine"]: r for r in summary["engines"]}
+    assert set(rows) == {"ours", "vllm"}
+    assert rows["vllm"]["depth"] == rows["ours"]["depth"] == 2
+    assert rows["vllm"]["tau"] > 1 and rows["vllm"]["greedy_match_rate"] == 1.0
+    assert "| vllm | 2 |" in (out / "report.md").read_text()
+
+
+def test_an_unknown_engine_in_the_recipe_is_refused(tmp_path, capsys):
+    code = main(["pipeline", "eval.engines=[tgi]", "--output-dir", str(tmp_path)])
+    assert code == 2
+    assert "eval.engines: unknown engine 'tgi'; known: vllm, llama.cpp" in capsys.readouterr().err

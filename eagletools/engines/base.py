@@ -68,6 +68,7 @@ class Engine:
     name: str
     make_target: str  # the Makefile target that installs it
     draft_formats: tuple[str, ...]  # checkpoint formats its loader takes
+    program: Callable[[], Path]  # its executable, or a UserError saying how to install it
     launch: Callable[..., Launch]
     complete: Callable[[Server, list[int], int], Completion]
     counters: Callable[[Server], Counters]

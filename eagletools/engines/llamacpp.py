@@ -155,4 +155,4 @@ def _per_position(log: Path) -> list[int]:
     return total.per_position
 
 
-LLAMACPP = Engine("llama.cpp", "engine-llamacpp", ("gguf",), launch, complete, counters)
+LLAMACPP = Engine("llama.cpp", "engine-llamacpp", ("gguf",), program, launch, complete, counters)

@@ -102,4 +102,4 @@ def counters(server: Server) -> Counters:
     )
 
 
-VLLM = Engine("vllm", "engine-vllm", ("speculators", "eagle"), launch, complete, counters)
+VLLM = Engine("vllm", "engine-vllm", ("speculators", "eagle"), program, launch, complete, counters)

@@ -138,6 +138,10 @@ class EvalSection:
     autotune: bool = False
     hf_baseline: bool = True  # also time Hugging Face generate
     device: str = "auto"  # auto: CUDA where torch sees it, else CPU; or cpu, cuda, cuda:N
+    # serving engines that also run the draft on the first benchmark, where installed
+    # (make engine-vllm / engine-llamacpp): vllm, llama.cpp
+    engines: list[str] = field(default_factory=list)
+    engine_depth: int = 3  # the chain the engines draft (vLLM's num_speculative_tokens)
 
 
 @dataclass
