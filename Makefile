@@ -84,8 +84,17 @@ $(ENGINES)/llama.cpp/bin/llama-server: $(LLAMACPP_SRC)/.unpacked
 engine-llamacpp: $(ENGINES)/llama.cpp/bin/llama-server
 
 .PHONY: engine-vllm engine-llamacpp interop
-# The real clients on the demo draft: speculators' loader, then both engines.
+# The real clients: speculators' loader on fresh cases, then both engines on the
+# demo's draft (make demo first), each against our decoder with the same chain.
+DEMO ?= runs/demo
+ENGINE_EVAL = $(VENV)/bin/eagletools eval --target smollm2-135m --bench mt-bench \
+	--num-prompts 10 --max-turns 1 --max-new-tokens 128 --topk 1 --depth 3 --num-draft-tokens 4
 interop: setup $(SPEC_VENV)/.installed engine-vllm engine-llamacpp
 	rm -rf runs/interop
 	$(PY) tests/interop/make_case.py runs/interop
 	HF_HUB_OFFLINE=1 $(SPEC_VENV)/bin/python tests/interop/check_speculators.py runs/interop
+	test -d $(DEMO)/eagle || { echo "no $(DEMO)/eagle: run make demo first"; exit 2; }
+	$(VENV)/bin/eagletools convert $(DEMO)/eagle $(DEMO)/draft.gguf --to gguf --target smollm2-135m --force
+	$(ENGINE_EVAL) --engine ours --draft $(DEMO)/eagle --output-dir runs/interop/ours
+	$(ENGINE_EVAL) --engine vllm --draft $(DEMO)/speculators --output-dir runs/interop/vllm
+	$(ENGINE_EVAL) --engine llama.cpp --draft $(DEMO)/draft.gguf --output-dir runs/interop/llama.cpp
