@@ -53,6 +53,20 @@ class Completion:
     engine_tokens_per_s: float | None = None  # the engine's own figure, when it reports one
 
 
+@dataclass(frozen=True)
+class ServeRequest:
+    """What a server is started for: the target, the draft (None: plain decoding), and how."""
+
+    target: str
+    draft: str | None
+    num_speculative_tokens: int
+    dtype: str
+    port: int
+    max_model_len: int
+    device: str
+    threads: int | None
+
+
 @dataclass
 class Launch:
     """One server: what to run, where it listens and how to know it is up."""
@@ -69,7 +83,7 @@ class Engine:
     make_target: str  # the Makefile target that installs it
     draft_formats: tuple[str, ...]  # checkpoint formats its loader takes
     program: Callable[[], Path]  # its executable, or a UserError saying how to install it
-    launch: Callable[..., Launch]
+    launch: Callable[[ServeRequest], Launch]
     complete: Callable[[Server, list[int], int], Completion]
     counters: Callable[[Server], Counters]
 

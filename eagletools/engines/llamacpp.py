@@ -25,6 +25,7 @@ from eagletools.engines.base import (
     Counters,
     Engine,
     Launch,
+    ServeRequest,
     engines_dir,
     find_program,
     metric_sum,
@@ -83,35 +84,26 @@ def target_gguf(folder: str | Path, dtype: str) -> Path:
     return out
 
 
-def launch(
-    target: str,
-    draft: str | None,
-    num_speculative_tokens: int,
-    dtype: str,
-    port: int,
-    max_model_len: int,
-    device: str,
-    threads: int | None,
-) -> Launch:
+def launch(r: ServeRequest) -> Launch:
     argv = [
-        str(program()), "-m", target, "--host", "127.0.0.1", "--port", str(port),
-        "-c", str(max_model_len), "-np", "1", "--metrics", "-lv", "4", "--no-webui",
+        str(program()), "-m", r.target, "--host", "127.0.0.1", "--port", str(r.port),
+        "-c", str(r.max_model_len), "-np", "1", "--metrics", "-lv", "4", "--no-webui",
         "--seed", "0",
     ]  # fmt: skip
-    if threads:
-        argv += ["-t", str(threads), "-tb", str(threads)]
-    if device == "cpu":
+    if r.threads:
+        argv += ["-t", str(r.threads), "-tb", str(r.threads)]
+    if r.device == "cpu":
         argv += ["-ngl", "0"]
-    if draft:
+    if r.draft:
         argv += [
-            "-md", draft, "--spec-type", "draft-eagle3",
+            "-md", r.draft, "--spec-type", "draft-eagle3",
             # draft exactly K tokens every step, as a chain of depth K does
-            "--spec-draft-n-max", str(num_speculative_tokens), "--spec-draft-n-min", "0",
+            "--spec-draft-n-max", str(r.num_speculative_tokens), "--spec-draft-n-min", "0",
             "--spec-draft-p-min", "0",
         ]  # fmt: skip
-        if device == "cpu":
+        if r.device == "cpu":
             argv += ["-ngld", "0"]
-    return Launch(argv, port, "/health")
+    return Launch(argv, r.port, "/health")
 
 
 def complete(server: Server, prompt: list[int], max_tokens: int) -> Completion:

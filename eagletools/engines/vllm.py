@@ -18,6 +18,7 @@ from eagletools.engines.base import (
     Counters,
     Engine,
     Launch,
+    ServeRequest,
     engines_dir,
     find_program,
     metric_sum,
@@ -38,40 +39,31 @@ def program() -> Path:
     )  # fmt: skip
 
 
-def launch(
-    target: str,
-    draft: str | None,
-    num_speculative_tokens: int,
-    dtype: str,
-    port: int,
-    max_model_len: int,
-    device: str,
-    threads: int | None,
-) -> Launch:
+def launch(r: ServeRequest) -> Launch:
     argv = [
-        str(program()), "-m", "vllm.entrypoints.openai.api_server", "--model", target,
-        "--host", "127.0.0.1", "--port", str(port),
-        "--served-model-name", SERVED_NAME, "--dtype", dtype, "--seed", "0",
-        "--max-model-len", str(max_model_len), "--max-num-seqs", "1",
+        str(program()), "-m", "vllm.entrypoints.openai.api_server", "--model", r.target,
+        "--host", "127.0.0.1", "--port", str(r.port),
+        "--served-model-name", SERVED_NAME, "--dtype", r.dtype, "--seed", "0",
+        "--max-model-len", str(r.max_model_len), "--max-num-seqs", "1",
         "--generation-config", "vllm",  # sampling only from the request, not the target's defaults
     ]  # fmt: skip
-    if draft:
+    if r.draft:
         config = {
             "method": "eagle3",
-            "model": draft,
-            "num_speculative_tokens": num_speculative_tokens,
+            "model": r.draft,
+            "num_speculative_tokens": r.num_speculative_tokens,
         }
         argv += ["--speculative-config", json.dumps(config)]
     env = {}
-    if device == "cpu":
+    if r.device == "cpu":
         # KV cache space in GiB; the default (4) is more than a benchmark run needs
         env["VLLM_CPU_KVCACHE_SPACE"] = "2"
-        if threads:
+        if r.threads:
             # vLLM serves with one torch thread unless told; the comparison gives each
             # engine the same cores
-            env["OMP_NUM_THREADS"] = str(threads)
-            env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{threads - 1}"
-    return Launch(argv, port, "/health", env)
+            env["OMP_NUM_THREADS"] = str(r.threads)
+            env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{r.threads - 1}"
+    return Launch(argv, r.port, "/health", env)
 
 
 def complete(server: Server, prompt: list[int], max_tokens: int) -> Completion:

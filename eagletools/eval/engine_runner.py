@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
-from eagletools.engines import ENGINES, Counters, Engine
+from eagletools.engines import ENGINES, Counters, Engine, ServeRequest
 from eagletools.engines.server import free_port, serve
 from eagletools.errors import UserError
 from eagletools.eval.benchmarks import Question
@@ -102,7 +102,7 @@ def _run_all(
     """One server over every question: per question (turn tokens, seconds, counters)."""
     from tqdm.auto import tqdm
 
-    launch = engine.launch(port=free_port(s.engine_port), **launch_args)
+    launch = engine.launch(ServeRequest(port=free_port(s.engine_port), **launch_args))
     kind = "with the draft" if launch_args["draft"] else "plain"
     log_path = log_dir / f"{engine.name}-{kind.replace(' ', '-')}.log"
     log.info("%s %s: %s", engine.name, kind, " ".join(launch.argv))
