@@ -169,9 +169,9 @@ def engine_stages(
 
         return run
 
-    gguf = lambda: convert(  # noqa: E731
+    gguf = lambda: convert(  # noqa: E731  (the draft in the dtype the target runs in)
         out / "train" / "final", drafts["llama.cpp"], "gguf", target=config.target.spec,
-        log=log.info,
+        dtype=config.target.dtype, log=log.info,
     )  # fmt: skip
     return [
         *([Stage("convert gguf", drafts["llama.cpp"], gguf)] if "llama.cpp" in engines else []),
