@@ -36,7 +36,7 @@ def build_wheel(dest: Path) -> Path:
 
 
 @pytest.mark.slow
-def test_spec_bench_ships_in_the_wheel_and_runs_installed(tiny_target, tmp_path):  # noqa: F811
+def test_spec_bench_ships_in_the_wheel_and_runs_installed(tiny_target, tmp_path):
     wheel = build_wheel(tmp_path)
     names = zipfile.ZipFile(wheel).namelist()
     assert all(name in names for name in SHIPPED), [n for n in names if "/data/" in n]
