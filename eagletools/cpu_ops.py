@@ -3,9 +3,10 @@
 Linears: `F.linear` in bf16 on CPU reorders the weight into oneDNN's blocked
 layout at every call. Packing it once (what inductor's CPU freezing does) makes
 products of 1 to 64 rows (a decoded token, a draft tree, a regeneration batch)
-faster: one row 1.5-2.5x over `F.linear` and faster than `torch.mv` too, the
-issue's whole one-token SmolLM2 forward 1.9x; from a few hundred rows
-(training) plain `F.linear` wins again (benchmarks/gemv.py). Up to 32 rows the
+faster than `F.linear`: one row 1.3-3.1x in benchmarks/gemv.py (under load);
+against `torch.mv` a whole one-token SmolLM2 forward measured 1.006x under
+load 5 (issue 16 measured 1.89x on an idle machine: to be timed again there).
+From a few hundred rows (training) plain `F.linear` wins again. Up to 32 rows the
 packed bf16 product of a row does not depend on how many rows share the call
 (bitwise, this CPU's AMX kernels); fp32 products do. The packed copy lives
 beside the weight and is remade when the weight changes, so it doubles the
