@@ -141,3 +141,15 @@ def fake_engines(tmp_path, monkeypatch) -> Path:
     for var in ("EAGLETOOLS_VLLM_PYTHON", "EAGLETOOLS_LLAMA_SERVER", "FAKE_ENGINE_MODE"):
         monkeypatch.delenv(var, raising=False)
     return root
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    """A local HF folder: tiny random Llama + a byte-level BPE tokenizer with Qwen2.5's template."""
+    from test_data_chat import QWEN25, byte_bpe_tokenizer
+
+    folder = tmp_path_factory.mktemp("target")
+    tokenizer = byte_bpe_tokenizer(QWEN25)
+    tiny_model("llama", seed=1, vocab_size=len(tokenizer)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

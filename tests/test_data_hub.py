@@ -6,8 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import tiny_model
-from test_data_chat import CORPUS, QWEN25, byte_bpe_tokenizer
+from test_data_chat import CORPUS
 
 from eagletools.cli import main
 from eagletools.data import HubOptions, Message, load_conversations
@@ -136,15 +135,6 @@ def test_num_samples_beyond_the_data_is_reported(tmp_path, caplog):
     assert len(conversations) == 3
     shortfall = "--num-samples 10 asks for more than the data has: 3 usable conversations"
     assert shortfall in report.summary() and shortfall in caplog.text
-
-
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("target")
-    tokenizer = byte_bpe_tokenizer(QWEN25)
-    tiny_model("llama", seed=1, vocab_size=len(tokenizer)).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 def test_cli_prepare_flags_reach_the_loader_and_bad_split_writes_nothing(

@@ -47,8 +47,13 @@ from eagletools.cli import build_parser, main
 ROOT = Path(__file__).resolve().parents[1]
 # Run order: later pages reuse what earlier ones wrote (runs/mine/final).
 PAGES = [
-    "quickstart.md", "formats.md", "recipes.md", "troubleshooting.md", "walkthrough.md",
-    "deploy.md", "index.md",
+    "quickstart.md",
+    "formats.md",
+    "recipes.md",
+    "troubleshooting.md",
+    "walkthrough.md",
+    "deploy.md",
+    "index.md",
 ]
 SHELL = {"sh", "bash", "shell", "console"}
 # Programs and modules not installed here, checked by hand: trtllm-serve against its
@@ -291,27 +296,37 @@ def test_markers_are_used_as_documented():
         if block.mode == "output":
             assert block.lang == "text", f"{block.where()}: an output block is ```text"
     pages = {b.page for b in SHELL_BLOCKS}
-    for page in ("quickstart.md", "formats.md", "recipes.md", "troubleshooting.md",
-                 "walkthrough.md"):
+    for page in (
+        "quickstart.md",
+        "formats.md",
+        "recipes.md",
+        "troubleshooting.md",
+        "walkthrough.md",
+    ):
         assert f"docs/{page}" in pages, f"docs/{page} shows no command"
 
 
 def test_help_examples_parse():
     """The `example:` at the end of every --help (shown in docs/cli.md) parses too."""
-    parser = build_parser()
     seen = 0
-    stack = [parser]
+    for prog, argv in help_examples():
+        assert argv[0] == "eagletools", prog
+        parse_eagletools(argv[1:], f"{prog} --help")
+        seen += 1
+    assert seen >= 8
+
+
+def help_examples() -> list[tuple[str, list[str]]]:
+    """(command, argv) of the `example:` ending every --help, over all subcommands."""
+    examples, stack = [], [build_parser()]
     while stack:
         p = stack.pop()
         for action in p._actions:
             if hasattr(action, "choices") and isinstance(action.choices, dict):
                 stack += list(action.choices.values())
         if p.epilog and p.epilog.startswith("example:"):
-            argv = shlex.split(p.epilog.split("\n", 1)[1])
-            assert argv[0] == "eagletools", p.prog
-            parse_eagletools(argv[1:], f"{p.prog} --help")
-            seen += 1
-    assert seen >= 8
+            examples.append((p.prog, shlex.split(p.epilog.split("\n", 1)[1])))
+    return examples
 
 
 def test_quoted_recipe_values_match_the_recipes():
@@ -534,7 +549,9 @@ def test_design_sections_cited_exist():
         refs = re.findall(r"docs/design\.md (\d+\.\d+)", text)
         refs += re.findall(r"\[(\d+\.\d+)\]\(design\.md\)", text)
         for ref in refs:
-            assert ref in sections, f"{where}: cites docs/design.md {ref}, which has no such section"
+            assert ref in sections, (
+                f"{where}: cites docs/design.md {ref}, which has no such section"
+            )
         cited += len(refs)
     assert cited >= 20
 
@@ -543,14 +560,7 @@ def test_help_examples_read_what_examples_write():
     """A path a --help example reads (checkpoint, draft, vocabulary, data file) is one that
     another example, or the pipeline, writes: the examples chain into a working session."""
     parser = build_parser()
-    examples, stack = [], [parser]
-    while stack:
-        p = stack.pop()
-        for action in p._actions:
-            if hasattr(action, "choices") and isinstance(action.choices, dict):
-                stack += list(action.choices.values())
-        if p.epilog and p.epilog.startswith("example:"):
-            examples.append(shlex.split(p.epilog.split("\n", 1)[1])[1:])
+    examples = [argv[1:] for _, argv in help_examples()]
     writes, reads = set(), []
     for args in dict.fromkeys(map(tuple, examples)):
         ns = parser.parse_args(list(args))

@@ -4,22 +4,11 @@ from __future__ import annotations
 
 import json
 
-import pytest
-from conftest import tiny_model
-from test_data_chat import CORPUS, QWEN25, byte_bpe_tokenizer
+from test_data_chat import CORPUS
 
 from eagletools.cli import main
 from eagletools.eval.benchmarks import Question
 from eagletools.pipeline import sample_across_categories
-
-
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("target")
-    tokenizer = byte_bpe_tokenizer(QWEN25)
-    tiny_model("llama", seed=1, vocab_size=len(tokenizer)).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 def write_inputs(tmp_path):
