@@ -34,6 +34,12 @@ def add_decoding_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--fast-numerics",
+        action="store_true",
+        help="fp32 attention reductions: faster on CPU, but bf16 speculative output may then "
+        "drift from plain decoding (default: batch-invariant, equal)",
+    )
+    p.add_argument(
         "--allow-pickle",
         action="store_true",
         help="allow loading a pytorch_model.bin draft (weights_only unpickling)",
@@ -50,6 +56,7 @@ def settings_from_args(args: argparse.Namespace, **extra):
     names = (
         "target", "draft", "max_new_tokens", "temperature", "top_k", "top_p", "topk", "depth",
         "num_draft_tokens", "dtype", "device", "threads", "seed", "allow_pickle", "chat_template",
+        "fast_numerics",
     )  # fmt: skip
     return Settings(**{n: getattr(args, n) for n in names}, **extra)
 

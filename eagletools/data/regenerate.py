@@ -150,6 +150,7 @@ def _runtime_generator(
 
     tokenizer = target.tokenizer
     runtime = Transformer.from_hf(target.model)
+    runtime.set_exact(False)  # replies need not match one-by-one decoding bit for bit: speed
     eos = eos_token_ids(tokenizer)
     decode_sampling = DecodeSampling(temperature=sampling.temperature, top_p=sampling.top_p)
 

@@ -130,13 +130,21 @@ class KVCache(nn.Module):
         return self.k[:, :, :end], self.v[:, :, :end]
 
 
-def attention(q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
+def attention(q, k, v, mask: torch.Tensor | None, exact: bool = True) -> torch.Tensor:
     """q [B,Hq,T,D] over k, v [B,Hkv,S,D]; mask [T,S] or [B,T,S] bool (True = attend) or None.
 
     On CPU, for the few queries of decoding and tree verification, fp32
     matmuls with the query heads grouped per KV head beat CPU SDPA by 2-8x (its
     flash path pays per key block) and bf16 matmuls by 1.5-2x; long prefills
     keep SDPA. On GPU, SDPA in the model's dtype: no fp32 copy of the KV cache.
+
+    `exact` (CPU): a query's output does not depend on which other queries
+    share the call or where in a tree its keys sit, so speculative decoding
+    reproduces plain decoding in bf16. Scores are one product per (query, key)
+    and equal bit for bit however many queries share the call (pinned in
+    tests); the softmax sum and the value sum, whose rounding follows each
+    key's place in the row, run in float64, where that order moves a result by
+    ~1e-16, 2^-40 of the bf16 step the output is rounded to.
     """
     b, hq, t, d = q.shape
     hkv, s = k.shape[1], k.shape[2]
@@ -152,8 +160,10 @@ def attention(q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
     if mask is not None:
         mask = mask[:, None, None] if per_row else mask
         scores = scores.view(b, hkv, group, t, s).masked_fill(~mask, float("-inf"))
-    probs = scores.view(b * hkv, group * t, s).softmax(-1)
-    return torch.bmm(probs, v).to(q.dtype).view(b, hq, t, d)
+    scores = scores.view(b * hkv, group * t, s)
+    if exact:
+        scores, v = scores.double(), v.double()
+    return torch.bmm(scores.softmax(-1), v).to(q.dtype).view(b, hq, t, d)
 
 
 class Attention(nn.Module):
@@ -163,6 +173,7 @@ class Attention(nn.Module):
         qkv_out = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
         self.wqkv = PackedLinear(args.dim, qkv_out, bias=args.qkv_bias)
         self.wo = PackedLinear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.exact = True  # batch-invariant attention (`attention`); Transformer.set_exact
         if args.qk_norm:
             self.q_norm = RMSNorm(args.head_dim, args.norm_eps)
             self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
@@ -187,7 +198,7 @@ class Attention(nn.Module):
             cache = self.kv_cache
             out = kernels.tree_attention(q, cache.k, cache.v, start, mask[:, start:], self.hd**-0.5)
         else:
-            out = attention(q, k, v, mask)
+            out = attention(q, k, v, mask, self.exact)
         return self.wo(out.transpose(1, 2).reshape(b, t, q_size))
 
 
@@ -264,6 +275,15 @@ class Transformer(nn.Module):
             args.head_dim, args.rope_theta, args.rope_scaling, args.max_position_embeddings
         ).to(device)
         return self
+
+    def set_exact(self, exact: bool) -> None:
+        """Batch-invariant attention (the default) or the faster fp32 one (`attention`)."""
+        for block in self.layers:
+            block.attention.exact = exact
+
+    @property
+    def exact(self) -> bool:
+        return self.layers[0].attention.exact
 
     @property
     def dtype(self) -> torch.dtype:

@@ -34,6 +34,13 @@ def _row(name: str, s: dict) -> list[str]:
     ]
 
 
+def numerics(cfg: dict) -> str:
+    """Which attention numerics ran: only the exact ones promise bf16 greedy equality."""
+    if cfg.get("fast_numerics"):
+        return ", numerics fast (fp32 attention: bf16 output may drift from plain decoding)"
+    return ", numerics exact (batch-invariant attention)"
+
+
 def markdown(results: dict) -> str:
     s, cfg = results["summary"], results["settings"]
     head = [
@@ -53,7 +60,8 @@ def markdown(results: dict) -> str:
         f"# eagletools eval: {cfg['bench']}, engine {engine}",
         "",
         f"target `{cfg['target']}`, draft `{cfg['draft']}`, {cfg['dtype']}, {shape}, "
-        f"max_new_tokens={cfg['max_new_tokens']}, temperature={cfg['temperature']}",
+        f"max_new_tokens={cfg['max_new_tokens']}, temperature={cfg['temperature']}"
+        + (numerics(cfg) if engine == "ours" else ""),
         "",
         "| " + " | ".join(head) + " |",
         "|" + "---|" * len(head),

@@ -61,6 +61,7 @@ class Settings:
     allow_pickle: bool = False
     device: str = "auto"  # resolved on construction: auto is CUDA where torch sees it, else CPU
     chat_template: str | None = None  # a Jinja file or text, for tokenizers without one
+    fast_numerics: bool = False  # fp32 attention reductions (Transformer.set_exact(False))
     engine: str = "ours"  # or a serving engine (eagletools.engines): vllm, llama.cpp
     engine_port: int | None = None  # a free one is chosen when busy or unset
     engine_timeout: float = 900.0  # seconds a server may take to become ready
@@ -91,6 +92,7 @@ def load_decoders(s: Settings) -> Decoders:
     target = load_target(s.target, dtype=dtype, device=s.device)
     set_chat_template(target.tokenizer, s.chat_template)
     runtime = Transformer.from_hf(target.model, dtype)
+    runtime.set_exact(not s.fast_numerics)
     baseline = BaselineDecoder(runtime, target.tokenizer)
     spec = None
     if s.draft:

@@ -1,0 +1,82 @@
+"""bf16 losslessness: a tree verify computes each path token's logits bit for bit as
+plain one-token decoding does (batch-invariant attention, `decode.model.attention`)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from conftest import tiny_model
+
+from eagletools.decode.model import Transformer
+from eagletools.decode.tree import ancestor_mask
+
+
+@pytest.fixture(scope="module")
+def runtime():
+    # SmolLM2's attention shape (head_dim 64, 3 query heads per KV head) in 2 layers
+    model = tiny_model(
+        "llama",
+        seed=0,
+        hidden_size=192,
+        num_attention_heads=3,
+        num_key_value_heads=1,
+        head_dim=64,
+        num_hidden_layers=2,
+        intermediate_size=256,
+        max_position_embeddings=1024,
+    )
+    return Transformer.from_hf(model, torch.bfloat16)
+
+
+def random_tree(rng: random.Random, n: int) -> tuple[torch.Tensor, list[int]]:
+    """(parents [n], the root-to-leaf path ending at the last node)."""
+    parents = [-1] + [rng.randrange(i) for i in range(1, n)]
+    path, node = [], n - 1
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return torch.tensor(parents), path[::-1]
+
+
+def path_mismatches(runtime: Transformer, seed: int, trials: int) -> int:
+    """Trees whose path logits differ from one-token decoding of the same tokens."""
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    vocab = runtime.args.vocab_size
+    runtime.setup_caches(1, 768)
+    bad = 0
+    for _ in range(trials):
+        start, n = rng.randrange(20, 600), 16
+        parents, path = random_tree(rng, n)
+        mask = ancestor_mask(parents)
+        tokens = torch.randint(0, vocab, (n,), generator=g)
+        runtime(torch.randint(0, vocab, (1, start), generator=g), torch.arange(start), 0)
+        one_by_one = torch.stack(
+            [
+                runtime(tokens[node].view(1, 1), torch.tensor([start + d]), start + d)[0][0, -1]
+                for d, node in enumerate(path)
+            ]
+        )
+        tree, _ = runtime(tokens[None], start + mask.sum(1) - 1, start, mask)
+        bad += not torch.equal(tree[0, path], one_by_one)
+    return bad
+
+
+@torch.inference_mode()
+def test_tree_verify_equals_one_token_decoding_in_bf16(runtime):
+    runtime.set_exact(True)
+    assert path_mismatches(runtime, seed=0, trials=24) == 0
+
+
+@torch.inference_mode()
+def test_the_fast_numerics_are_not_batch_invariant(runtime):
+    """The control: without `exact`, the same trees differ (on this CPU), so the test
+    above can fail; skipped where even fp32 attention happens to be invariant."""
+    runtime.set_exact(False)
+    try:
+        if path_mismatches(runtime, seed=0, trials=24) == 0:
+            pytest.skip("fp32 attention is batch-invariant on this CPU already")
+    finally:
+        runtime.set_exact(True)
