@@ -81,6 +81,87 @@ def test_decode_chain_equals_causal_forward(flags):
     torch.testing.assert_close(torch.cat(states, 1), expected_h, atol=1e-5, rtol=1e-5)
 
 
+def unfused_decode(draft, hidden, ids, positions, cache, slots, mask):
+    """`Eagle3Draft.decode` as it was before its fused products and RoPE table: the
+    training layer (`rope`, `qkv`, `finish`, `head`) with SDPA over the cache."""
+    cos, sin = draft.rope(positions, hidden.dtype)
+    embeds = draft.embed_tokens(ids).to(hidden.dtype)
+    q, k, v, residual = draft.midlayer.qkv(embeds, hidden, cos, sin)
+    cache.k[:, :, slots] = k
+    cache.v[:, :, slots] = v
+    length = mask.shape[-1]
+    keys, values = cache.k[:, :, :length], cache.v[:, :, :length]
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+    return draft.head(draft.midlayer.finish(out, residual))
+
+
+@pytest.mark.parametrize("batch_positions", [False, True], ids=["positions[n]", "positions[B,n]"])
+@pytest.mark.parametrize("flags", [False, True], ids=["plain", "all-norms"])
+def test_decode_equals_the_unfused_layer_bitwise(flags, batch_positions):
+    """fp32, a prefill then three tree levels of 3 rows: the same logits, hidden and
+    cache, bit for bit, as the training layer's pieces run one by one."""
+    torch.manual_seed(0)
+    norms = dict.fromkeys(("norm_before_residual", "qk_norm", "fc_norm", "norm_output"), flags)
+    draft = Eagle3Draft(small_config(**norms)).eval()
+    for p in draft.parameters():  # norms away from 1, so a skipped one shows
+        p.data.add_(torch.randn_like(p) * 0.1)
+    b, start, k = 2, 5, 3
+    caches = [DraftKVCache.allocate(draft.config, b, 16, torch.float32, "cpu") for _ in "ab"]
+    hidden = draft.fuse_aux(torch.randn(b, start, 3 * 48))
+    ids = torch.randint(0, 256, (b, start))
+    slots = torch.arange(start)
+    causal = torch.ones(start, start, dtype=torch.bool).tril()
+    calls = [(hidden, ids, 100 + slots, slots, causal)]
+    for j in range(3):  # the prefix, random earlier tree slots, each row's own slot
+        rows = torch.cat([torch.ones(k, start), torch.rand(k, j * k).round(), torch.eye(k)], 1)
+        slots = start + j * k + torch.arange(k)
+        positions = torch.full((k,), 100 + start + j)
+        calls.append(
+            (torch.randn(b, k, 64), torch.randint(0, 256, (b, k)), positions, slots, rows.bool())
+        )
+    for hidden, ids, positions, slots, mask in calls:
+        if batch_positions:
+            positions = positions + torch.tensor([[0], [7]])
+            mask = mask.expand(b, 1, *mask.shape)
+        args = (hidden, ids, positions)
+        got = draft.decode(*args, caches[0], slots, mask)
+        with torch.no_grad():
+            want = unfused_decode(draft, *args, caches[1], slots, mask)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
+
+
+def test_decode_weights_follow_the_module_and_stay_out_of_the_state_dict():
+    torch.manual_seed(0)
+    draft = Eagle3Draft(small_config()).eval()
+    keys = list(draft.state_dict())
+    cache = DraftKVCache.allocate(draft.config, 1, 4, torch.float32, "cpu")
+    args = (torch.randn(1, 2, 64), torch.tensor([[3, 4]]), torch.arange(2))
+    mask = torch.ones(2, 2, dtype=torch.bool).tril()
+    before = draft.decode(*args, cache, torch.arange(2), mask)[0]
+    assert list(draft.state_dict()) == keys
+    other = Eagle3Draft(small_config()).eval()
+    draft.load_state_dict(other.state_dict())  # copied in place: new versions
+    want = other.decode(*args, cache, torch.arange(2), mask)[0]
+    assert torch.equal(draft.decode(*args, cache, torch.arange(2), mask)[0], want)
+    assert not torch.equal(before, want)
+
+
+def test_decode_rotates_with_fp32_frequencies_in_bf16():
+    """`.to(bfloat16)` rounds the module's `inv_freq` (up to 0.3%: radians apart after
+    a thousand positions); decoding rotates as training does, from fp32 frequencies."""
+    config = small_config(rope_theta=5e5, max_position_embeddings=4096)
+    draft = Eagle3Draft(config)
+    positions = torch.tensor([0, 1, 999, 4095])
+    cos, sin = draft.rope(positions, torch.bfloat16)
+    table = draft.to(torch.bfloat16).decode_weights().rope[positions, :, 0]
+    half = config.head_dim // 2
+    assert torch.equal(table[:, 0], cos)
+    assert torch.equal(table[:, 1], torch.cat([-sin[:, :half], sin[:, half:]], -1))
+    rounded_cos, _ = draft.rope(positions, torch.bfloat16)  # the module's, rounded
+    assert not torch.equal(rounded_cos, cos)
+
+
 def test_fc_norm_normalises_each_aux_state_on_its_own():
     torch.manual_seed(0)
     draft = Eagle3Draft(small_config(fc_norm=True))

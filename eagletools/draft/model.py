@@ -4,7 +4,9 @@ One Llama-style decoder layer whose attention input is the concatenation of
 the normed token embedding and the normed hidden state (2H wide). The layer's
 attention is left to the caller: training-time test attends over a causal
 block plus a diagonal per unrolled step, the tree decoder over a KV cache with
-a tree mask. Both use `qkv` before and `finish` after their attention.
+a tree mask. Training uses `qkv` before and `finish` after its attention;
+decoding (`Eagle3Draft.decode`) runs the same layer through fused products
+and a RoPE table (`DecodeWeights`), made from the same weights.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eagletools.cpu_ops import linear
 from eagletools.draft.config import DraftConfig
 from eagletools.rope import RotaryEmbedding, apply_rope
 from eagletools.target import anatomy
@@ -121,6 +124,31 @@ class Eagle3Layer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+@dataclass(frozen=True)
+class DecodeWeights:
+    """What `Eagle3Draft.decode` multiplies and rotates by, beside the module's own weights.
+
+    Decoding runs a handful of rows per call, where each product and each small
+    op costs about as much as its arithmetic: q/k/v become one product and
+    gate/up another (5 products per forward instead of 8), and RoPE is a
+    lookup in a table made once instead of ~10 ops per call. The separate
+    weights stay the module's (the checkpoint keys, what training multiplies).
+    """
+
+    source: tuple[tuple[int, int], ...]  # (storage, version) of each weight fused
+    qkv: torch.Tensor  # [(nh + 2 nkv) * hd, 2H]: q, k, v rows
+    gate_up: torch.Tensor  # [2I, H]: gate, up rows
+    # [max_position_embeddings, 2, 1, hd]: cos and sin per position, sin with the sign
+    # of `rotate_half` folded in (x.roll(hd/2) * sin == rotate_half(x) * |sin|, exactly)
+    rope: torch.Tensor
+
+
+def _identity(weight: torch.Tensor) -> tuple[int, int]:
+    """Tells a weight changed: its storage (`.to()`) or its version (in-place updates);
+    inference tensors keep no version."""
+    return weight.data_ptr(), 0 if weight.is_inference() else weight._version
+
+
 @dataclass
 class DraftKVCache:
     """Static K/V storage for decoding, [B, n_kv_heads, max_len, head_dim]."""
@@ -173,6 +201,7 @@ class Eagle3Draft(nn.Module):
         t2d[: config.draft_vocab_size] = True
         self.register_buffer("t2d", t2d)
         self.apply(self._init_weights)
+        self._decode_weights: DecodeWeights | None = None  # made by the first `decode`
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -262,6 +291,36 @@ class Eagle3Draft(nn.Module):
         return draft_ids + self.d2t[draft_ids]
 
     @torch.no_grad()
+    def decode_weights(self) -> DecodeWeights:
+        """The fused weights and RoPE table `decode` uses, made again when a weight changes.
+
+        The table holds every position below `max_position_embeddings`, from
+        fp32 frequencies, as training rotates: the module's `inv_freq` buffer
+        follows `.to(bfloat16)`, and its rounded frequencies turn up to 8
+        degrees away from training's by position 100, 80 by position 1000
+        (SmolLM2's RoPE).
+        """
+        attn, mlp = self.midlayer.self_attn, self.midlayer.mlp
+        parts = (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj)
+        source = tuple(_identity(p.weight) for p in parts)
+        if self._decode_weights is None or self._decode_weights.source != source:
+            weight = attn.q_proj.weight
+            c = self.config
+            rotary = RotaryEmbedding(
+                c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings
+            ).to(weight.device)
+            positions = torch.arange(c.max_position_embeddings, device=weight.device)
+            cos, sin = rotary(positions, weight.dtype)
+            sin[:, : c.head_dim // 2].neg_()
+            self._decode_weights = DecodeWeights(
+                source,
+                torch.cat([p.weight for p in parts[:3]]),
+                torch.cat([p.weight for p in parts[3:]]),
+                torch.stack([cos, sin], dim=1)[:, :, None],
+            )
+        return self._decode_weights
+
+    @torch.no_grad()
     def decode(
         self,
         hidden: torch.Tensor,
@@ -274,16 +333,33 @@ class Eagle3Draft(nn.Module):
         """One draft forward over n new tokens for decoding.
 
         hidden [B,n,H] (`fuse_aux` output or the previous step's `head`
-        output), input_ids [B,n], positions [n] or [B,n]. K/V are written at
-        cache `slots` [n]; the queries attend over cache slots
-        `[0, mask.shape[-1])` where `mask` [n, L] (or [B,1,n,L]) is True.
-        Returns (draft logits [B,n,Vd], the hidden the next step takes [B,n,H]).
+        output), input_ids [B,n], positions [n] or [B,n] (below
+        `max_position_embeddings`). K/V are written at cache `slots` [n]; the
+        queries attend over cache slots `[0, mask.shape[-1])` where `mask`
+        [n, L] (or [B,1,n,L]) is True; the cache holds K/V in the draft's
+        dtype. Returns (draft logits [B,n,Vd], the hidden the next step takes
+        [B,n,H]). The layer of `midlayer.qkv` and `finish`, through
+        `decode_weights()`; its shapes depend on n and L only, and nothing is
+        read back from the device.
         """
-        embeds = self.embed_tokens(input_ids).to(hidden.dtype)
-        cos, sin = self.rope(positions, hidden.dtype)
-        q, k, v, residual = self.midlayer.qkv(embeds, hidden, cos, sin)
-        cache.k[:, :, slots] = k
-        cache.v[:, :, slots] = v
+        fused = self.decode_weights()
+        layer = self.midlayer
+        attn = layer.self_attn
+        b, n, _ = hidden.shape
+        nh, nkv, hd = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        normed = layer.hidden_norm(hidden)
+        embeds = layer.input_layernorm(self.embed_tokens(input_ids).to(hidden.dtype))
+        qkv = linear(torch.cat([embeds, normed], dim=-1), fused.qkv, None)
+        qk, v = qkv.split([(nh + nkv) * hd, nkv * hd], dim=-1)
+        qk = qk.view(b, n, nh + nkv, hd)
+        if hasattr(attn, "q_norm"):
+            q, k = qk.split([nh, nkv], dim=2)
+            qk = torch.cat([attn.q_norm(q), attn.k_norm(k)], dim=2)
+        cos, sin = fused.rope[positions].unbind(-3)  # [.., n, 1, hd]
+        qk = qk * cos + qk.roll(hd // 2, -1) * sin  # q and k heads in one pass
+        q, k = qk.transpose(1, 2).split([nh, nkv], dim=1)
+        cache.k.index_copy_(2, slots, k)
+        cache.v.index_copy_(2, slots, v.view(b, n, nkv, hd).transpose(1, 2))
         length = mask.shape[-1]
         out = F.scaled_dot_product_attention(
             q,
@@ -292,4 +368,8 @@ class Eagle3Draft(nn.Module):
             attn_mask=mask,
             enable_gqa=True,
         )
-        return self.head(self.midlayer.finish(out, residual))
+        residual = normed if layer.norm_before_residual else hidden
+        h = linear(out.transpose(1, 2).reshape(b, n, nh * hd), attn.o_proj.weight, None) + residual
+        gate, up = linear(layer.post_attention_layernorm(h), fused.gate_up, None).chunk(2, -1)
+        h = h + linear(F.silu(gate) * up, layer.mlp.down_proj.weight, None)
+        return self.head(h)
