@@ -55,18 +55,25 @@ def check_tree_shape(topk: int, depth: int, num_draft_tokens: int) -> None:
 
 
 def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
-    """parents [N] (parents precede children) -> [N, N] ancestor-or-self mask."""
+    """parents [N] (-1 for a root) -> [N, N] ancestor-or-self mask, on the device.
+
+    By pointer doubling: after round r each row holds the node's ancestors up
+    to 2^r generations back, so ceil(log2(N - 1)) rounds of a gather and an
+    `or` cover any tree, whatever its shape, without reading it on the host.
+    """
     n = parents.numel()
-    mask = torch.eye(n, dtype=torch.bool, device=parents.device)
-    for i, p in enumerate(parents.tolist()):
-        if p >= 0:
-            mask[i] |= mask[p]
+    nodes = torch.arange(n, device=parents.device)
+    up = torch.where(parents < 0, nodes, parents)  # a root is its own parent
+    mask = (nodes[:, None] == nodes) | (up[:, None] == nodes)
+    for _ in range(max(n - 2, 0).bit_length()):
+        mask = mask | mask[up]
+        up = up[up]
     return mask
 
 
 def grow_tree(
     step: DraftStep,
-    root_token: int,
+    root_token: int | torch.Tensor,
     logits: torch.Tensor,
     hidden: torch.Tensor,
     d2t: torch.Tensor | None,
@@ -74,35 +81,40 @@ def grow_tree(
     depth: int,
     num_draft_tokens: int,
 ) -> Tree:
-    """Draft a tree under `root_token`.
+    """Draft a tree under `root_token` (an int, or a one-element tensor on the device).
 
     `logits` [Vd] and `hidden` [H] are the draft's output for the root (the
     last position of its refresh over accepted tokens): they give the root's
-    children without another forward.
+    children without another forward. Every shape follows from the tree's
+    (topk, depth, num_draft_tokens) and no value is read back to the host, so
+    the step can be queued (or captured) whole.
     """
+    device = logits.device
     logprobs, ids = kernels.topk_d2t(logits.view(1, -1), d2t, topk)
     scores, tokens = [logprobs[0]], [ids[0]]
-    parents = [torch.full((topk,), -1, dtype=torch.long, device=ids.device)]
-    frontier = torch.arange(topk, device=ids.device)  # candidate indices
+    parents = [torch.full((topk,), -1, dtype=torch.long, device=device)]
+    frontier = torch.arange(topk, device=device)  # candidate indices
     frontier_scores, frontier_tokens = logprobs[0], ids[0]
     frontier_hidden = hidden.view(1, -1).expand(topk, -1)
-    rows = torch.zeros(topk, 0, dtype=torch.bool, device=ids.device)  # draft-tree mask rows
-    eye = torch.eye(topk, dtype=torch.bool, device=ids.device)
+    rows = torch.zeros(topk, 0, dtype=torch.bool, device=device)  # draft-tree mask rows
+    eye = torch.eye(topk, dtype=torch.bool, device=device)
+    offset = topk  # candidates so far
     for j in range(1, depth):
         rows = torch.cat([rows, eye], dim=1)
         out_logits, out_hidden = step(j, frontier_tokens, frontier_hidden, rows)
         logprobs, ids = kernels.topk_d2t(out_logits, d2t, topk)  # [k, k]
         cumulative = (frontier_scores[:, None] + logprobs).flatten()
-        offset = sum(s.numel() for s in scores)
+        ids = ids.flatten()
         scores.append(cumulative)
-        tokens.append(ids.flatten())
-        parents.append(frontier.repeat_interleave(topk))
+        tokens.append(ids)
+        parents.append(frontier[:, None].expand(topk, topk).flatten())
         if j == depth - 1:
             break
         best = torch.sort(cumulative, descending=True, stable=True).indices[:topk]
         parent_row = best // topk
         frontier = offset + best
-        frontier_scores, frontier_tokens = cumulative[best], ids.flatten()[best]
+        offset += topk * topk
+        frontier_scores, frontier_tokens = cumulative[best], ids[best]
         frontier_hidden = out_hidden[parent_row]
         rows = rows[parent_row]
     return select_tree(
@@ -114,10 +126,17 @@ def select_tree(
     scores: torch.Tensor,
     tokens: torch.Tensor,
     parents: torch.Tensor,
-    root_token: int,
+    root_token: int | torch.Tensor,
     num_draft_tokens: int,
 ) -> Tree:
-    """Best `num_draft_tokens - 1` candidates (parent -1 = root) plus the root."""
+    """Best `num_draft_tokens - 1` candidates (parent -1 = root) plus the root.
+
+    A child never scores above its parent and ties keep the parent first, so
+    the choice is connected (tests/test_decode_tree.py checks it; checking
+    here would read the tree back to the host). Should NaN scores ever break
+    that, a node whose parent was left out gets parent -1: verification never
+    reaches it.
+    """
     order = torch.sort(scores, descending=True, stable=True).indices[: num_draft_tokens - 1]
     chosen = order.sort().values  # creation order: parents before children
     index_of = torch.full_like(parents, -1)
@@ -126,9 +145,8 @@ def select_tree(
     node_parents = torch.where(
         cand_parents < 0, torch.zeros_like(cand_parents), index_of[cand_parents.clamp(min=0)]
     )
-    if (node_parents < 0).any():
-        raise AssertionError("tree selection is not connected")
-    tree_parents = torch.cat([node_parents.new_tensor([-1]), node_parents])
-    tree_tokens = torch.cat([tokens.new_tensor([root_token]), tokens[chosen]])
+    tree_parents = torch.cat([node_parents.new_full((1,), -1), node_parents])
+    root = torch.as_tensor(root_token, dtype=tokens.dtype, device=tokens.device).view(1)
+    tree_tokens = torch.cat([root, tokens[chosen]])
     mask = ancestor_mask(tree_parents)
     return Tree(tree_tokens, tree_parents, mask.sum(1) - 1, mask)

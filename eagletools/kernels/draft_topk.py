@@ -20,9 +20,9 @@ def topk_d2t_reference(
     """
     values, ids = logits.topk(k, dim=-1)
     # log-sum-exp around the top-1 we already have (torch.logsumexp's own max
-    # pass is slow on CPU for one row)
+    # pass is slow on CPU for one row), exp in place: one [M,Vd] buffer fewer
     top = values[:, :1].float()
-    logprobs = values.float() - top - (logits.float() - top).exp().sum(-1, keepdim=True).log()
+    logprobs = values.float() - top - (logits.float() - top).exp_().sum(-1, keepdim=True).log()
     if d2t is not None:
         ids = ids + d2t[ids]
     return logprobs, ids
