@@ -26,12 +26,17 @@ from eagletools.eval.benchmarks import Question
 
 log = logging.getLogger(__name__)
 
-# (topk, depth, num_draft_tokens) shapes --autotune times: chains and small-to-large trees
+# (topk, depth, num_draft_tokens) shapes --autotune times: chains and small-to-large trees,
+# the small ones for where drafting costs much beside a verify (2 CPU cores: a third, issue 16)
 AUTOTUNE_GRID = (
     (1, 2, 3),
     (1, 3, 4),
     (1, 5, 6),
+    (2, 3, 6),
     (2, 4, 8),
+    (3, 3, 8),
+    (4, 3, 8),
+    (4, 4, 8),
     (4, 4, 12),
     (4, 5, 16),
     (8, 5, 24),
