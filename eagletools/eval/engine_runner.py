@@ -96,10 +96,11 @@ def _engine_generate(engine: Engine, server, s: Settings) -> Callable:
     return generate
 
 
-def _run_all(
+def run_server(
     engine: Engine, s: Settings, launch_args: dict, questions, tokenizer, log_dir: Path, progress
 ) -> list:
-    """One server over every question: per question (turn tokens, seconds, counters)."""
+    """One server over every question: per question (turn tokens, seconds, counters,
+    the engine's own tokens/s readings)."""
     from tqdm.auto import tqdm
 
     launch = engine.launch(ServeRequest(port=free_port(s.engine_port), **launch_args))
@@ -131,6 +132,17 @@ def _record(tokens: list[list[int]], seconds: float, engine_tps: list[float]) ->
     return record
 
 
+def launch_args(s: Settings, engine: Engine) -> tuple[dict, str | None]:
+    """(the server's `ServeRequest` fields but port and draft, the draft as `engine` loads it)."""
+    folder, target, draft = engine_inputs(s, engine)
+    args = dict(
+        target=target, num_speculative_tokens=s.depth, dtype=s.dtype,
+        max_model_len=_max_len(folder if folder.is_dir() else target), device=s.device,
+        threads=s.threads or os.cpu_count(),  # every engine gets the same cores
+    )  # fmt: skip
+    return args, draft
+
+
 def run_engine_eval(
     s: Settings, questions: list[Question], log_dir: str | Path, progress: bool = True
 ) -> dict:
@@ -143,21 +155,18 @@ def run_engine_eval(
     from eagletools.target.load import load_tokenizer
 
     engine = ENGINES[s.engine]
-    folder, target, draft = engine_inputs(s, engine)
+    args, draft = launch_args(s, engine)
     tokenizer = load_tokenizer(s.target)
     set_chat_template(tokenizer, s.chat_template)
     at_start = machine()
-    args = dict(
-        target=target, num_speculative_tokens=s.depth, dtype=s.dtype,
-        max_model_len=_max_len(folder if folder.is_dir() else target), device=s.device,
-        threads=s.threads or os.cpu_count(),  # every engine gets the same cores
-    )  # fmt: skip
     started = time.perf_counter()
     log_dir = Path(log_dir)
-    plain = _run_all(engine, s, args | {"draft": None}, questions, tokenizer, log_dir, progress)
+    plain = run_server(engine, s, args | {"draft": None}, questions, tokenizer, log_dir, progress)
     spec = None
     if draft:
-        spec = _run_all(engine, s, args | {"draft": draft}, questions, tokenizer, log_dir, progress)
+        spec = run_server(
+            engine, s, args | {"draft": draft}, questions, tokenizer, log_dir, progress
+        )
     records = []
     for i, q in enumerate(questions):
         tokens, seconds, _, tps = plain[i]
@@ -177,7 +186,7 @@ def run_engine_eval(
         "settings": asdict(s) | {"topk": 1, "num_draft_tokens": s.depth + 1},
         "engine": {
             "name": engine.name,
-            "target": target,
+            "target": args["target"],
             "draft": draft,
             "minutes": round((time.perf_counter() - started) / 60, 2),
         },  # fmt: skip
