@@ -86,3 +86,18 @@ def test_argmax_takes_the_first_maximum_like_torch(dtype):
     x = (torch.randn(40, 5000, generator=g) * 2).round().to(dtype)  # ties at most maxima
     assert torch.equal(argmax(x), x.argmax(-1))
     assert torch.equal(argmax(x[0], 0), x[0].argmax())
+
+
+@needs_packing
+@pytest.mark.parametrize("out_features, in_features", [(960, 576), (576, 1536), (4096, 576)])
+def test_a_rows_product_does_not_depend_on_the_other_rows(out_features, in_features):
+    """Batch invariance (docs/design.md 3.6): up to 32 rows, row i of a packed bf16
+    product has the same bits as row i alone, so a tree verify and one-token
+    decoding give a token the same logits. SmolLM2's shapes."""
+    g = torch.Generator().manual_seed(out_features)
+    w = torch.randn(out_features, in_features, generator=g).bfloat16()
+    x = torch.randn(32, in_features, generator=g).bfloat16()
+    with torch.no_grad():
+        alone = torch.cat([linear(x[i : i + 1], w, None) for i in range(32)])
+        for rows in (2, 5, 16, 32):
+            assert torch.equal(linear(x[:rows], w, None), alone[:rows])
