@@ -163,12 +163,19 @@ def select_top(counts: torch.Tensor, draft_vocab_size: int) -> torch.Tensor:
 def build_vocab(
     dataset: Any, target_vocab_size: int, draft_vocab_size: int
 ) -> tuple[DraftVocab, dict[str, Any]]:
-    if not 1 <= draft_vocab_size <= target_vocab_size:
-        raise UserError(
-            f"--size {draft_vocab_size}: the draft vocabulary size must be between 1 and the "
-            f"target vocabulary size {target_vocab_size}"
-        )
+    """The top `draft_vocab_size` ids of the dataset's reply tokens."""
+    _check_size(target_vocab_size, draft_vocab_size)
     counts = count_tokens(dataset, target_vocab_size)
+    return vocab_from_counts(counts, draft_vocab_size, len(dataset))
+
+
+def vocab_from_counts(
+    counts: torch.Tensor, draft_vocab_size: int, num_samples: int
+) -> tuple[DraftVocab, dict[str, Any]]:
+    """The top `draft_vocab_size` ids of any token counts [V] (replies, or the target's
+    argmax there), with the share of the counted tokens they cover."""
+    target_vocab_size = counts.numel()
+    _check_size(target_vocab_size, draft_vocab_size)
     vocab = DraftVocab.from_selected(select_top(counts, draft_vocab_size), target_vocab_size)
     total = int(counts.sum())
     report = {
@@ -176,10 +183,18 @@ def build_vocab(
         "draft_vocab_size": draft_vocab_size,
         "target_vocab_size": target_vocab_size,
         "distinct_tokens": int((counts > 0).sum()),
-        "num_samples": len(dataset),
+        "num_samples": num_samples,
         "num_tokens": total,
     }
     return vocab, report
+
+
+def _check_size(target_vocab_size: int, draft_vocab_size: int) -> None:
+    if not 1 <= draft_vocab_size <= target_vocab_size:
+        raise UserError(
+            f"--size {draft_vocab_size}: the draft vocabulary size must be between 1 and the "
+            f"target vocabulary size {target_vocab_size}"
+        )
 
 
 def build_vocab_cached(

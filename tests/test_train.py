@@ -17,6 +17,10 @@ from eagletools.train.trainer import Trainer, online_inputs, train
 from eagletools.train.ttt import TTTModel
 
 
+class Interrupted(Exception):
+    pass
+
+
 def tiny_target(family="llama", seed=0) -> Target:
     model = tiny_model(family, seed=seed)
     return Target(model, None, TargetInfo.from_config(model.config, f"tiny-{family}"))
@@ -100,6 +104,71 @@ def test_train_writes_final_eagle_checkpoint_and_metrics(tmp_path):
     assert torch.equal(load_checkpoint(steps[-1]).tensors["d2t"], trainer.vocab.d2t)
 
 
+def test_held_out_metrics_carry_the_exact_length_and_intervals(tmp_path):
+    _, result = run(tmp_path, tiny_config("training.max_steps=2"))
+    for name in ("simulated", "exact"):
+        key = f"{name}_acceptance_length"
+        assert result[f"{key}_lo"] <= result[key] <= result[f"{key}_hi"]
+        assert result[f"{key}_lo"] < result[f"{key}_hi"]  # 8 conversations differ
+    assert 1.0 <= result["exact_acceptance_length"] <= 5.0
+
+
+def test_frozen_head_keeps_the_targets_rows_and_trains_the_norm(tmp_path):
+    config = tiny_config("draft.freeze_head=true", "draft.init_head_from_target=false")
+    trainer, _ = run(tmp_path, config)
+    target_rows = trainer.inputs.lm_head_weight[trainer.vocab.selected]
+    assert torch.equal(trainer.draft.lm_head.weight, target_rows)
+    assert not trainer.draft.lm_head.weight.requires_grad
+    assert not torch.equal(trainer.draft.norm.weight, torch.ones_like(trainer.draft.norm.weight))
+    with pytest.raises(UserError, match="draft.freeze_head"):
+        tiny_config("draft.freeze_head=true")  # with the target's norm as well
+
+
+def test_muon_trains_and_resumes_on_the_same_trajectory(tmp_path, monkeypatch):
+    config = tiny_config("training.optimizer=muon", "training.max_steps=4",
+                         "training.save_every=2", "training.eval_every=0")  # fmt: skip
+    full, _ = run(tmp_path, config, "full")
+    saved = torch.load(tmp_path / "full/checkpoints/step-00000004/optimizer.pt")
+    kinds = {"momentum_buffer" in v for v in saved["state"].values()}
+    assert kinds == {True, False}  # Muon's matrices and AdamW's norms and head
+    step = Trainer.train_step
+
+    def interrupted_after_3(trainer):
+        if trainer.state.step == 3:
+            raise Interrupted
+        return step(trainer)
+
+    monkeypatch.setattr(Trainer, "train_step", interrupted_after_3)
+    with pytest.raises(Interrupted):
+        run(tmp_path, config, "cut")
+    monkeypatch.setattr(Trainer, "train_step", step)
+    resumed, _ = run(tmp_path, config, "cut", resume=True)
+    want = {h["step"]: h["loss"] for h in full.history}
+    got = {h["step"]: h["loss"] for h in resumed.history}
+    for n in (3, 4):
+        assert abs(got[n] - want[n]) <= 1e-6, (n, got[n], want[n])
+
+
+def test_vocab_by_the_targets_argmax_counts(tmp_path):
+    """The counts are the target's argmax at each position before a reply token,
+    computed here with the target's own logits."""
+    target, data = tiny_target(), random_dataset()
+    config = tiny_config("vocab.count=target_argmax", "vocab.count_samples=10",
+                         "vocab.draft_vocab_size=16", "training.max_steps=1")  # fmt: skip
+    trainer = Trainer(config, tmp_path / "out", online_inputs(config, target, data))
+    counts = torch.zeros(256, dtype=torch.long)
+    for i in trainer.train_idx[:10]:
+        ids = torch.tensor(data[i]["input_ids"])
+        mask = torch.tensor(data[i]["loss_mask"]).bool()
+        with torch.no_grad():
+            best = target.model(ids[None]).logits[0].argmax(-1)
+        counts += torch.bincount(best[:-1][mask[1:]], minlength=256)
+    top = torch.sort(-counts, stable=True).indices[:16].sort().values
+    assert torch.equal(trainer.vocab.selected, top)
+    assert trainer.vocab_report["count"] == "target_argmax"
+    assert trainer.vocab_report["num_tokens"] == int(counts.sum())
+
+
 def test_draft_mlp_width_is_a_recipe_field(tmp_path):
     from eagletools.formats import load_checkpoint
 
@@ -164,10 +233,6 @@ def test_loss_on_all_trains_on_prompts_and_evaluates_on_replies(tmp_path, monkey
 def test_loss_on_is_checked():
     with pytest.raises(UserError, match="training.loss_on"):
         tiny_config("training.loss_on=prompts")
-
-
-class Interrupted(Exception):
-    pass
 
 
 @pytest.mark.slow

@@ -56,4 +56,6 @@ def test_two_processes_match_one_with_the_same_global_batch(tmp_path):
     m1 = json.loads((tmp_path / "one" / "metrics.json").read_text())
     m2 = json.loads((tmp_path / "two" / "metrics.json").read_text())
     assert abs(m1["loss"] - m2["loss"]) <= 1e-4
+    for key in ("exact_acceptance_length", "exact_acceptance_length_lo"):  # per-sample rows
+        assert abs(m1[key] - m2[key]) <= 1e-6, key
     assert m1["trained_tokens"] == m2["trained_tokens"]

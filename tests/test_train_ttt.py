@@ -10,7 +10,10 @@ from conftest import tiny_draft_config
 
 from eagletools.draft import Eagle3Draft
 from eagletools.train.ttt import (
+    StepStats,
     TTTModel,
+    bootstrap_intervals,
+    chain_lengths,
     simulated_acceptance_length,
     step_counts,
     summarize,
@@ -133,8 +136,8 @@ def test_unroll_matches_dense_reference(eagle31):
     refs = torch.autograd.grad(ref, list(draft.fc.parameters()) + [draft.lm_head.weight])
     for a, b_ in zip(grads, refs, strict=True):
         torch.testing.assert_close(a, b_, atol=1e-5, rtol=1e-4)
-    assert stats.count.tolist() == step_counts(inputs[2], 4).tolist()
-    assert stats.count[0] > stats.count[-1] > 0
+    assert stats.count.sum(0).tolist() == step_counts(inputs[2], 4).tolist()
+    assert stats.count.shape == (2, 4) and stats.count[0, 0] > stats.count[0, -1] > 0
 
 
 def test_global_norm_splits_exactly():
@@ -170,6 +173,19 @@ def test_memory_linear_in_length():
     assert ratio < 2.2, ratio
 
 
+def test_teacher_sharpened_and_mixed_with_its_argmax():
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(2, 5, 8), torch.randn(20, 8)
+    d2t = torch.tensor([0, 0, 2, 5])  # ids 0, 1, 4, 8
+    logits = (hidden @ weight.T)[..., [0, 1, 4, 8]]
+    probs, best = teacher_targets(hidden, weight, d2t, temperature=0.5, argmax_weight=0.25)
+    onehot = F.one_hot(logits.argmax(-1), 4).float()  # the argmax over the draft vocab
+    inside = torch.isin(best, torch.tensor([0, 1, 4, 8]))  # elsewhere the loss drops it
+    want = 0.75 * torch.softmax(logits / 0.5, -1) + 0.25 * onehot
+    torch.testing.assert_close(probs[inside], want[inside])
+    assert inside.any()
+
+
 def test_teacher_targets_restricted_and_full_argmax():
     torch.manual_seed(0)
     hidden = torch.randn(2, 5, 8)
@@ -184,13 +200,64 @@ def test_teacher_targets_restricted_and_full_argmax():
 def test_simulated_acceptance_and_summary():
     assert simulated_acceptance_length([0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25)
     assert simulated_acceptance_length([1.0] * 3) == 4.0
-    from eagletools.train.ttt import StepStats
-
-    stats = StepStats(torch.tensor([2.0, 3.0]), torch.tensor([1.0, 2.0]), torch.tensor([2.0, 4.0]))
+    # two samples; the per-step sums over both are loss (2, 3), hits (1, 2), counts (2, 4)
+    stats = StepStats(
+        loss_sum=torch.tensor([[2.0, 1.0], [0.0, 2.0]]),
+        correct=torch.tensor([[1.0, 0.0], [0.0, 2.0]]),
+        count=torch.tensor([[1.0, 2.0], [1.0, 2.0]]),
+        chain=torch.tensor([2.0, 1.0]),
+    )
     out = summarize(stats, decay=0.5)
     assert out["acc_0"] == 0.5 and out["acc_1"] == 0.5
     assert out["loss"] == pytest.approx(1.0 + 0.5 * 0.75)
     assert out["simulated_acceptance_length"] == pytest.approx(1.75)
+    assert out["exact_acceptance_length"] == pytest.approx(3 / 2)
+
+
+def test_chain_lengths_by_hand():
+    """Roots are step-0 positions; a chain counts its tokens until the first miss."""
+    hits = [
+        torch.tensor([[1, 1, 0, 1]]),
+        torch.tensor([[1, 0, 1, 1]]),
+        torch.tensor([[0, 1, 1, 1]]),
+    ]
+    masks = [
+        torch.tensor([[1, 1, 1, 0]]),
+        torch.tensor([[1, 1, 1, 0]]),
+        torch.tensor([[1, 1, 0, 0]]),
+    ]
+    # t=0: hits 1,1,0 -> 3; t=1: 1,0 -> 2; t=2: 0 -> 1; t=3: no root
+    assert chain_lengths(hits, masks).tolist() == [6.0]
+    # t=2 hits at steps 1 and 2 do not count after its step-0 miss; the mask ends t=1's
+    # chain at step 2 although its hit is 1
+    hits[0][0, 2], masks[2][0, 1] = 1, 0
+    assert chain_lengths(hits, masks).tolist() == [3 + 2 + 3]
+
+
+def test_exact_length_of_one_step_is_one_plus_its_accuracy():
+    """With one step, the chain is 1 + hit, so exact and simulated agree."""
+    draft = tiny_draft()
+    _, stats = TTTModel(draft, steps=1)(*batch(draft))
+    out = summarize(stats, decay=0.8)
+    assert out["exact_acceptance_length"] == pytest.approx(1 + out["acc_0"])
+    _, stats = TTTModel(draft, steps=4)(*batch(draft))
+    out = summarize(stats, decay=0.8)
+    assert 1 <= out["exact_acceptance_length"] <= 5
+
+
+def test_bootstrap_interval_of_a_known_distribution():
+    """400 conversations of one position each, hit with p = 0.3: acc_0's standard error
+    is sqrt(0.3 * 0.7 / 400) = 0.0229, so the 95% interval spans 2 * 1.96 * 0.0229."""
+    g = torch.Generator().manual_seed(0)
+    n = 400
+    hits = (torch.rand(n, 1, generator=g) < 0.3).float()
+    stats = StepStats(torch.zeros(n, 1), hits, torch.ones(n, 1), 1 + hits[:, 0])
+    out = bootstrap_intervals(stats, resamples=2000)
+    mean = 1 + float(hits.mean())
+    for name in ("simulated", "exact"):
+        lo, hi = out[f"{name}_acceptance_length_lo"], out[f"{name}_acceptance_length_hi"]
+        assert lo < mean < hi
+        assert hi - lo == pytest.approx(2 * 1.96 * (0.3 * 0.7 / n) ** 0.5, rel=0.15)
 
 
 def test_perfect_teacher_gives_full_acceptance():
@@ -212,4 +279,29 @@ def test_perfect_teacher_gives_full_acceptance():
     argmax[:, 1:] = logits[0].argmax(-1)[:, :-1]
     with torch.no_grad():
         _, stats = model(input_ids, aux, loss_mask, uniform, argmax)
-    assert stats.correct[0] == stats.count[0] > 0
+    assert stats.correct[:, 0].sum() == stats.count[:, 0].sum() > 0
+
+
+def test_drop_missed_trains_no_step_after_a_miss():
+    """A teacher whose argmax step 0 never hits: step 1 then trains nothing, so the
+    two-step loss with drop_missed is the one-step loss."""
+    draft = tiny_draft(vocab=32, draft_vocab=32)
+    with torch.no_grad():
+        draft.d2t.zero_()
+        draft.t2d.fill_(True)
+    input_ids, aux, loss_mask, probs, _ = batch(draft)
+    logits = []
+    hook = draft.lm_head.register_forward_hook(lambda mod, args, out: logits.append(out))
+    with torch.no_grad():
+        TTTModel(draft, steps=1)(input_ids, aux, loss_mask, probs, torch.zeros_like(input_ids))
+    hook.remove()
+    missed = torch.zeros_like(input_ids)
+    missed[:, 1:] = (logits[0].argmax(-1)[:, :-1] + 1) % 32  # never step 0's argmax
+    one, stats = TTTModel(draft, steps=1)(input_ids, aux, loss_mask, probs, missed)
+    assert stats.correct.sum() == 0
+    dropped, _ = TTTModel(draft, steps=2, drop_missed=True)(
+        input_ids, aux, loss_mask, probs, missed
+    )
+    kept, _ = TTTModel(draft, steps=2)(input_ids, aux, loss_mask, probs, missed)
+    torch.testing.assert_close(dropped, one)
+    assert kept > one

@@ -73,6 +73,10 @@ class DataSection:
 class VocabSection:
     draft_vocab_size: int = 32000
     path: str | None = None  # a saved DraftVocab; None: build it from the training data
+    count: str = "replies"  # replies: the loss mask's tokens | target_argmax: the target's
+    # argmax at those positions (what the draft must predict; differs where the replies
+    # are not the target's own), one more target pass over count_samples conversations
+    count_samples: int | None = None  # training conversations counted (None: all)
 
 
 @dataclass
@@ -81,6 +85,8 @@ class DraftSection:
     fc_norm: bool = False  # EAGLE-3.1 per-aux-state norms before `fc`
     norm_output: bool = False  # EAGLE-3.1: later steps take the normed output
     init_head_from_target: bool = True  # start norm/lm_head as the target's rows
+    freeze_head: bool = False  # lm_head = the target's rows of the draft vocab, frozen;
+    # the draft's norm starts at 1 and trains (needs init_head_from_target: false)
     intermediate_size: int | None = None  # the MLP's width (None: the target's)
 
 
@@ -92,6 +98,12 @@ class TrainingSection:
     # too (the teacher is the target's distribution wherever it is); held-out: replies
     eval_ttt_steps: int = 7  # the held-out unroll (acc_j, simulated acceptance length),
     # apart from ttt_steps so that runs trained at different depths compare
+    drop_missed: bool = False  # GRIFFIN-style: step k >= 1 trains only the positions
+    # where every earlier step hit the target's argmax (the ones a chain reaches)
+    teacher_temperature: float = 1.0  # < 1 sharpens the teacher toward its argmax
+    teacher_argmax_weight: float = 0.0  # w: teacher = (1-w) p + w onehot(argmax)
+    optimizer: str = "adamw"  # adamw | muon (Muon for the hidden 2-D weights, AdamW else)
+    muon_lr_ratio: float = 10.0  # Muon's rate = lr * this
     lr: float = 1e-4
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     weight_decay: float = 0.0
@@ -167,6 +179,30 @@ class TrainConfig:
             (0 < t.ttt_decay <= 1, "training.ttt_decay", "must be in (0, 1]"),
             (t.loss_on in ("replies", "all"), "training.loss_on", "must be replies or all"),
             (t.lr > 0, "training.lr", "must be positive"),
+            (t.teacher_temperature > 0, "training.teacher_temperature", "must be positive"),
+            (
+                0 <= t.teacher_argmax_weight <= 1,
+                "training.teacher_argmax_weight",
+                "must be in [0, 1]",
+            ),
+            (t.optimizer in ("adamw", "muon"), "training.optimizer", "must be adamw or muon"),
+            (t.muon_lr_ratio > 0, "training.muon_lr_ratio", "must be positive"),
+            (
+                not (self.draft.freeze_head and self.draft.init_head_from_target),
+                "draft.freeze_head",
+                "starts the norm at 1 with the target's lm_head rows; set "
+                "draft.init_head_from_target: false with it",
+            ),
+            (
+                self.vocab.count in ("replies", "target_argmax"),
+                "vocab.count",
+                "must be replies or target_argmax",
+            ),
+            (
+                self.vocab.count_samples is None or self.vocab.count_samples >= 1,
+                "vocab.count_samples",
+                "must be at least 1 (or null: all)",
+            ),
             (len(t.betas) == 2, "training.betas", "must be two numbers, e.g. [0.9, 0.95]"),
             (0 <= t.warmup_ratio < 1, "training.warmup_ratio", "must be in [0, 1)"),
             (t.batch_size >= 1, "training.batch_size", "must be at least 1"),

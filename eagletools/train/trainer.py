@@ -40,7 +40,15 @@ from eagletools.train.data import (
     trainable,
 )
 from eagletools.train.recipe import TrainConfig, dump_config
-from eagletools.train.ttt import StepStats, TTTModel, step_counts, summarize, teacher_targets
+from eagletools.train.ttt import (
+    StepStats,
+    TTTModel,
+    bootstrap_intervals,
+    step_counts,
+    summarize,
+    target_argmax,
+    teacher_targets,
+)
 
 log = logging.getLogger(__name__)
 
@@ -120,9 +128,11 @@ def features(inputs: TrainInputs, batch: Any) -> tuple[torch.Tensor, torch.Tenso
     return out.aux, out.last_hidden
 
 
-def build_vocab_for(config: TrainConfig, inputs: TrainInputs, train_idx: list[int], out: Path):
+def build_vocab_for(
+    config: TrainConfig, inputs: TrainInputs, train_idx: list[int], out: Path, accelerator: Any
+):
     """The draft vocabulary: a given file, the one of a resumed run, or counted now."""
-    from eagletools.vocab import DraftVocab, build_vocab
+    from eagletools.vocab import DraftVocab, count_tokens, vocab_from_counts
 
     saved = out / "vocab.safetensors"
     if config.vocab.path:
@@ -131,15 +141,44 @@ def build_vocab_for(config: TrainConfig, inputs: TrainInputs, train_idx: list[in
         return DraftVocab.load(saved), json.loads((out / "vocab_report.json").read_text())
     import datasets
 
-    src = inputs.source
-    rows = {
-        "input_ids": [src.batch([i]).input_ids[0].tolist() for i in train_idx],
-        "loss_mask": [src.loss_mask(i).tolist() for i in train_idx],
-    }
+    src, v = inputs.source, config.vocab
+    counted = train_idx[: v.count_samples]
     vocab_size = inputs.lm_head_weight.shape[0]
-    size = min(config.vocab.draft_vocab_size, vocab_size)
-    vocab, report = build_vocab(datasets.Dataset.from_dict(rows), vocab_size, size)
-    return vocab, report
+    size = min(v.draft_vocab_size, vocab_size)
+    if v.count == "target_argmax":
+        counts = argmax_counts(inputs, counted, accelerator)
+    else:
+        rows = {
+            "input_ids": [src.batch([i]).input_ids[0].tolist() for i in counted],
+            "loss_mask": [src.loss_mask(i).tolist() for i in counted],
+        }
+        counts = count_tokens(datasets.Dataset.from_dict(rows), vocab_size)
+    vocab, report = vocab_from_counts(counts, size, len(counted))
+    return vocab, {**report, "count": v.count}
+
+
+@torch.no_grad()
+def argmax_counts(
+    inputs: TrainInputs, indices: list[int], accelerator: Any, batch_size: int = 8
+) -> torch.Tensor:
+    """Counts [V] of the target's argmax at the positions whose next token is a reply
+    token: what the draft must predict there. Sharded over the processes."""
+    src, device = inputs.source, accelerator.device
+    lm_head = inputs.lm_head_weight.to(device)
+    counts = torch.zeros(lm_head.shape[0], dtype=torch.long, device=device)
+    order = sorted(indices, key=src.length)[accelerator.process_index :: accelerator.num_processes]
+    for start in range(0, len(order), batch_size):
+        batch = src.batch(order[start : start + batch_size])
+        _, last_hidden = features(inputs, batch)
+        best = target_argmax(last_hidden.flatten(0, 1).to(device), lm_head)
+        before_reply = _shift_left(batch.loss_mask.bool().to(device))
+        counts += torch.bincount(best[before_reply.flatten()], minlength=counts.numel())
+    return accelerator.reduce(counts, "sum").cpu()
+
+
+def _shift_left(mask: torch.Tensor) -> torch.Tensor:
+    """mask [B,T] -> [B,T] true at t where mask[t+1] is."""
+    return torch.cat([mask[:, 1:], torch.zeros_like(mask[:, :1])], dim=1)
 
 
 @dataclass
@@ -242,7 +281,9 @@ class Trainer:
                 "training.batch_size"
             )
         self._plan: tuple[int, list[list[int]]] | None = None  # (epoch, its global batches)
-        self.vocab, self.vocab_report = build_vocab_for(c, self.inputs, self.train_idx, self.out)
+        self.vocab, self.vocab_report = build_vocab_for(
+            c, self.inputs, self.train_idx, self.out, self.accelerator
+        )
 
     def _setup_model(self) -> TTTModel:
         """The draft, sized and initialised from the target, in its training-time-test unroll."""
@@ -259,17 +300,29 @@ class Trainer:
             norm_output=d.norm_output,
             intermediate_size=d.intermediate_size or head_model.config.intermediate_size,
         )
-        return TTTModel(draft, t.ttt_steps, t.ttt_decay, t.attn_chunk)
+        if d.freeze_head:  # the target's rows, frozen; the norm (at 1) learns the scale
+            with torch.no_grad():
+                draft.lm_head.weight.copy_(self.inputs.lm_head_weight[self.vocab.selected])
+            draft.lm_head.weight.requires_grad_(False)
+        return TTTModel(draft, t.ttt_steps, t.ttt_decay, t.attn_chunk, t.drop_missed)
 
     def _setup_optimizer(self, model: TTTModel) -> None:
-        """AdamW over the trainable weights; accelerate wraps model and optimizer together."""
+        """AdamW (or Muon and AdamW) over the trainable weights; accelerate wraps model and
+        optimizer together."""
+        from eagletools.train.muon import MuonAdamW, muon_groups
+
         t = self.config.training
         self.params = [p for p in model.draft.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(
-            self.params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay,
-            # one kernel per step instead of ~10 per tensor: 5 vs 31 ms for the SmolLM2 draft on CPU
-            fused=self.device.type in ("cpu", "cuda"),
-        )  # fmt: skip
+        if t.optimizer == "muon":
+            groups = muon_groups(model.draft.named_parameters(), t.muon_lr_ratio)
+            optimizer = MuonAdamW(groups, t.lr, tuple(t.betas), t.weight_decay)
+        else:
+            optimizer = torch.optim.AdamW(
+                self.params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay,
+                # one kernel per step instead of ~10 per tensor: 5 vs 31 ms for the SmolLM2
+                # draft on CPU
+                fused=self.device.type in ("cpu", "cuda"),
+            )  # fmt: skip
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
         if t.compile:  # one graph over all sequence lengths (held-out evaluation stays eager)
             self.model = torch.compile(self.model, backend="inductor", dynamic=True)
@@ -336,13 +389,19 @@ class Trainer:
 
     # -- steps -------------------------------------------------------------
 
-    def _teacher(self, batch: Any, last_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        memo = self.argmax_memo
+    def _teacher(
+        self, batch: Any, last_hidden: torch.Tensor, training: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(probs, argmax); the recipe's sharper teacher in training only, so held-out
+        losses compare across runs."""
+        t, memo = self.config.training, self.argmax_memo
         known = memo.lookup(batch) if memo is not None else None
         device = self.device
         probs, argmax = teacher_targets(
             last_hidden.to(device), self.lm_head, self.d2t,
             known_argmax=None if known is None else known.to(device),
+            temperature=t.teacher_temperature if training else 1.0,
+            argmax_weight=t.teacher_argmax_weight if training else 0.0,
         )  # fmt: skip
         if memo is not None and known is None:
             memo.store(batch, argmax)
@@ -414,7 +473,7 @@ class Trainer:
         batches = self._micro_batches()
         norm = sum(step_counts(b.loss_mask, t.ttt_steps) for b in batches).to(self.device)
         norm = self.accelerator.reduce(norm, "sum") / self.accelerator.num_processes
-        total = StepStats(*(torch.zeros(t.ttt_steps, device=self.device) for _ in range(3)))
+        total = StepStats.zeros(1, t.ttt_steps, self.device)
         losses = []
         tokens = 0
         for i, batch in enumerate(batches):
@@ -424,8 +483,7 @@ class Trainer:
                 self.accelerator.backward(loss)
             losses.append(loss.detach())
             tokens += batch.num_tokens
-            for name in ("loss_sum", "correct", "count"):
-                getattr(total, name).add_(getattr(stats, name))
+            total.add_(stats)
         grad_norm = self.accelerator.clip_grad_norm_(self.params, t.grad_clip)
         finite = torch.isfinite(torch.stack(losses).sum()) & torch.isfinite(grad_norm)
         bad = self.accelerator.reduce((~finite).float().to(self.device), "sum") > 0
@@ -447,37 +505,36 @@ class Trainer:
                 f"step {self.state.step}); lower training.lr, check the data or hidden-state "
                 "cache for NaN/inf, or raise training.max_bad_steps"
             )
-        reduced = StepStats(*(self.accelerator.reduce(getattr(total, n), "sum") for n in
-                              ("loss_sum", "correct", "count")))  # fmt: skip
-        metrics = summarize(reduced, t.ttt_decay)
+        metrics = summarize(total.map(lambda x: self.accelerator.reduce(x, "sum")), t.ttt_decay)
         metrics.update(lr=lr, grad_norm=float(grad_norm), skipped=float(bad))
         return metrics
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Held-out loss, acc_j and simulated acceptance length (sharded over ranks)."""
-        t = self.config.training
+        """Held-out loss, acc_j, simulated and exact acceptance length, each length with a
+        bootstrap 95% interval over the held-out conversations (sharded over ranks)."""
+        t, start = self.config.training, time.perf_counter()
         src = self.inputs.source
-        order = sorted(self.eval_idx, key=src.length)
+        order = sorted(range(len(self.eval_idx)), key=lambda i: src.length(self.eval_idx[i]))
         chunks = [order[i : i + t.batch_size] for i in range(0, len(order), t.batch_size)]
-        total = StepStats(*(torch.zeros(t.eval_ttt_steps, device=self.device)
-                            for _ in range(3)))  # fmt: skip
+        total = StepStats.zeros(len(order), t.eval_ttt_steps, self.device)
         model = self._unwrapped()
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
         for chunk in chunks[rank::world]:
-            batch = src.batch(chunk)
+            batch = src.batch([self.eval_idx[i] for i in chunk])
             aux, last_hidden = features(self.inputs, batch)
-            probs, argmax = self._teacher(batch, last_hidden)
+            probs, argmax = self._teacher(batch, last_hidden, training=False)
             with self.autocast():
                 _, stats = model(
                     batch.input_ids.to(self.device), aux.to(self.device),
                     batch.loss_mask.to(self.device), probs, argmax, steps=t.eval_ttt_steps,
+                    drop_missed=False,
                 )  # fmt: skip
-            for name in ("loss_sum", "correct", "count"):
-                getattr(total, name).add_(getattr(stats, name))
-        reduced = StepStats(*(self.accelerator.reduce(getattr(total, n), "sum") for n in
-                              ("loss_sum", "correct", "count")))  # fmt: skip
-        return summarize(reduced, t.ttt_decay)
+            total.add_(stats, torch.tensor(chunk, device=self.device))
+        per_sample = total.map(lambda x: self.accelerator.reduce(x, "sum"))
+        seconds = time.perf_counter() - start
+        return {**summarize(per_sample, t.ttt_decay), **bootstrap_intervals(per_sample),
+                "eval_seconds": seconds}  # fmt: skip
 
     # -- the loop ----------------------------------------------------------
 
@@ -593,8 +650,14 @@ def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def _fmt(metrics: dict[str, float]) -> str:
-    keys = ["loss", "acc_0", "acc_1", "simulated_acceptance_length"]
-    return " ".join(f"{k}={metrics[k]:.3f}" for k in keys if k in metrics)
+    keys = ["loss", "acc_0", "acc_1"]
+    out = [f"{k}={metrics[k]:.3f}" for k in keys if k in metrics]
+    for name in ("simulated", "exact"):
+        key = f"{name}_acceptance_length"
+        if key in metrics:
+            out.append(f"{key}={metrics[key]:.3f} [{metrics[key + '_lo']:.3f}, "
+                       f"{metrics[key + '_hi']:.3f}]")  # fmt: skip
+    return " ".join(out)
 
 
 def train(

@@ -10,6 +10,8 @@ memory per step is linear in T.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -88,12 +90,24 @@ def _shift(x: torch.Tensor, n: int) -> torch.Tensor:
 
 
 @torch.no_grad()
+def target_argmax(
+    hidden: torch.Tensor, lm_head_weight: torch.Tensor, chunk_tokens: int = 1024
+) -> torch.Tensor:
+    """The target's full-vocab argmax of hidden [N,Ht] -> [N], a chunk of rows at a
+    time, so no [N, V] tensor is kept."""
+    hidden = hidden.to(lm_head_weight.dtype)
+    return torch.cat([argmax(part @ lm_head_weight.T) for part in hidden.split(chunk_tokens)])
+
+
+@torch.no_grad()
 def teacher_targets(
     last_hidden: torch.Tensor,
     lm_head_weight: torch.Tensor,
     d2t: torch.Tensor,
     chunk_tokens: int = 1024,
     known_argmax: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    argmax_weight: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's distribution over the draft vocab and its full-vocab argmax.
 
@@ -102,24 +116,73 @@ def teacher_targets(
     Only the draft-vocab rows get softmaxed; the full product is formed chunk
     by chunk just for the argmax, so no [T, V] tensor is kept. `known_argmax`
     (an offline epoch's memo) skips that product, the larger of the two.
+
+    Greedy decoding accepts only the argmax, so the teacher can lean on it:
+    `temperature` < 1 sharpens it, and `argmax_weight` w mixes in the argmax's
+    one-hot, (1-w) p + w onehot: the cross-entropy becomes (1-w) soft + w hard.
     """
     rows = torch.arange(d2t.numel(), device=d2t.device) + d2t
     flat = last_hidden.reshape(-1, last_hidden.shape[-1]).to(lm_head_weight.dtype)
-    probs = torch.softmax((flat @ lm_head_weight[rows].T).float(), dim=-1)
+    probs = torch.softmax((flat @ lm_head_weight[rows].T).float() / temperature, dim=-1)
     b, t = last_hidden.shape[:2]
     if known_argmax is not None:
-        return probs.view(b, t, -1), known_argmax
-    best = torch.cat([argmax(part @ lm_head_weight.T) for part in flat.split(chunk_tokens)])
+        best = known_argmax.reshape(-1)
+    else:
+        best = target_argmax(flat, lm_head_weight, chunk_tokens)
+    if argmax_weight:
+        # rows ascend; an argmax outside the draft vocab is dropped from the loss anyway
+        index = torch.searchsorted(rows, best).clamp(max=rows.numel() - 1)
+        hard = torch.zeros_like(probs).scatter_(-1, index.unsqueeze(-1), 1.0)
+        probs = torch.lerp(probs, hard, argmax_weight)
     return probs.view(b, t, -1), best.view(b, t)
 
 
 @dataclass
 class StepStats:
-    """Per-step sums over masked positions; the caller reduces them across batches."""
+    """Per-sample sums over masked positions; the caller reduces them across batches.
 
-    loss_sum: torch.Tensor  # [K] soft cross-entropy summed over masked positions
-    correct: torch.Tensor  # [K] positions where the draft's argmax is the target's
-    count: torch.Tensor  # [K] masked positions
+    Kept per sample (rows) so that held-out metrics get a bootstrap interval over
+    conversations; training sums the rows away at once.
+    """
+
+    loss_sum: torch.Tensor  # [N,K] soft cross-entropy summed over masked positions
+    correct: torch.Tensor  # [N,K] positions where the draft's argmax is the target's
+    count: torch.Tensor  # [N,K] masked positions
+    chain: torch.Tensor  # [N] exact chain lengths summed over the step-0 positions
+
+    @classmethod
+    def zeros(cls, rows: int, steps: int, device: torch.device | str = "cpu") -> StepStats:
+        return cls(*(torch.zeros(rows, steps, device=device) for _ in range(3)),
+                   torch.zeros(rows, device=device))  # fmt: skip
+
+    def map(self, fn) -> StepStats:
+        """The same stats with `fn` applied to every field (sum, reduce, index)."""
+        return StepStats(*(fn(getattr(self, f.name)) for f in dataclasses.fields(self)))
+
+    def add_(self, other: StepStats, rows: torch.Tensor | slice = slice(None)) -> None:
+        """Add `other` (summed over its rows, or row by row into `rows`) in place."""
+        for f in dataclasses.fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if isinstance(rows, slice):
+                mine.add_(theirs.sum(0))
+            else:
+                mine.index_add_(0, rows, theirs)
+
+
+def chain_lengths(hits: list[torch.Tensor], masks: list[torch.Tensor]) -> torch.Tensor:
+    """Exact chain lengths summed per row: hits and masks per step j, each [B,T].
+
+    A chain rooted at position t (a step-0 position) accepts its step-j token while
+    every step up to j hit: 1 + sum_k prod_{j<=k} hit_j(t) mask_j(t). Unlike
+    `simulated_acceptance_length`, which multiplies per-step marginal accuracies,
+    this keeps which positions hit together. A chain stops where its mask ends.
+    """
+    run = masks[0].float()
+    total = run.clone()
+    for hit, mask in zip(hits, masks, strict=True):
+        run = run * hit.float() * mask.float()
+        total = total + run
+    return total.sum(-1)
 
 
 def step_counts(loss_mask: torch.Tensor, steps: int) -> torch.Tensor:
@@ -128,11 +191,23 @@ def step_counts(loss_mask: torch.Tensor, steps: int) -> torch.Tensor:
 
 
 class TTTModel(nn.Module):
-    """Wraps a draft so that DDP/FSDP see the whole unroll as one `forward`."""
+    """Wraps a draft so that DDP/FSDP see the whole unroll as one `forward`.
 
-    def __init__(self, draft: nn.Module, steps: int = 7, decay: float = 0.8, chunk: int = 512):
+    `drop_missed` (GRIFFIN-style): step k >= 1 trains only the positions where every
+    earlier step hit the target's argmax, the only ones a chain can reach there.
+    """
+
+    def __init__(
+        self,
+        draft: nn.Module,
+        steps: int = 7,
+        decay: float = 0.8,
+        chunk: int = 512,
+        drop_missed: bool = False,
+    ):
         super().__init__()
         self.draft, self.steps, self.decay, self.chunk = draft, steps, decay, chunk
+        self.drop_missed = drop_missed
 
     def forward(
         self,
@@ -143,24 +218,28 @@ class TTTModel(nn.Module):
         target_argmax: torch.Tensor,
         norm: torch.Tensor | None = None,
         steps: int | None = None,
+        drop_missed: bool | None = None,
     ) -> tuple[torch.Tensor, StepStats]:
-        """Right-padded batch [B,T] -> (loss, stats).
+        """Right-padded batch [B,T] -> (loss, per-sample stats).
 
         loss = sum_j decay^j * loss_sum_j / norm_j; `norm` [K] defaults to the
         local masked counts. The trainer passes global counts (over ranks and
         accumulation steps) so any split of a batch gives the same gradient.
-        `steps` overrides the unroll length (held-out evaluation).
+        `steps` and `drop_missed` override the model's (held-out evaluation).
+        Dropped positions stay in `norm` and in the stats' counts and hits.
         """
         draft = self.draft
         b, t = input_ids.shape
         hidden = draft.fuse_aux(aux.to(draft.fc.weight.dtype))
         positions = torch.arange(t, device=input_ids.device)
         t2d = draft.t2d
+        drop = self.drop_missed if drop_missed is None else drop_missed
         k0 = v0 = None
         diag_k: list[torch.Tensor] = []
         diag_v: list[torch.Tensor] = []
         loss = hidden.new_zeros((), dtype=torch.float32)
-        sums, correct, count = [], [], []
+        sums, hits, masks = [], [], []
+        alive = torch.ones(b, t, device=input_ids.device)  # every earlier step hit
         for j in range(steps or self.steps):
             ids = _shift(input_ids, 1 + j)
             embeds = draft.embed_tokens(ids).to(hidden.dtype)
@@ -179,16 +258,19 @@ class TTTModel(nn.Module):
             mask = _shift(loss_mask, 2 + j).float()
             logp = torch.log_softmax(logits.float(), dim=-1)
             ce = -(probs * logp).sum(-1)
-            loss_sum = (ce * mask * t2d[wanted]).sum()
-            n = mask.sum()
-            denom = (norm[j] if norm is not None else n).clamp(min=1.0)
-            loss = loss + self.decay**j * loss_sum / denom
+            row_sums = (ce * mask * t2d[wanted] * (alive if drop else 1.0)).sum(-1)
+            denom = (norm[j] if norm is not None else mask.sum()).clamp(min=1.0)
+            loss = loss + self.decay**j * row_sums.sum() / denom
             with torch.no_grad():
-                hit = draft.to_target_ids(argmax(logp)) == wanted
-                sums.append(loss_sum.detach())
-                correct.append((hit.float() * mask).sum())
-                count.append(n)
-        return loss, StepStats(torch.stack(sums), torch.stack(correct), torch.stack(count))
+                hit = (draft.to_target_ids(argmax(logp)) == wanted).float()
+                alive = alive * hit
+                sums.append(row_sums.detach())
+                hits.append(hit)
+                masks.append(mask)
+        stack = functools.partial(torch.stack, dim=1)
+        correct = stack([(h * m).sum(-1) for h, m in zip(hits, masks, strict=True)])
+        count = stack([m.sum(-1) for m in masks])
+        return loss, StepStats(stack(sums), correct, count, chain_lengths(hits, masks))
 
 
 def simulated_acceptance_length(acc: list[float]) -> float:
@@ -201,12 +283,36 @@ def simulated_acceptance_length(acc: list[float]) -> float:
 
 
 def summarize(stats: StepStats, decay: float) -> dict[str, float]:
-    """Reduced sums -> loss, per-step ploss_j / acc_j and the acceptance length."""
-    count = stats.count.clamp(min=1.0)
-    ploss = (stats.loss_sum / count).tolist()
-    acc = (stats.correct / count).tolist()
+    """Per-sample (or reduced) sums -> loss, per-step ploss_j / acc_j, the simulated
+    acceptance length and the exact one."""
+    total = stats.map(lambda x: x.sum(0) if x.dim() == 2 else x)  # [N,K] -> [K]
+    count = total.count.clamp(min=1.0)
+    ploss = (total.loss_sum / count).tolist()
+    acc = (total.correct / count).tolist()
     out = {"loss": sum(decay**j * p for j, p in enumerate(ploss))}
     out.update({f"ploss_{j}": p for j, p in enumerate(ploss)})
     out.update({f"acc_{j}": a for j, a in enumerate(acc)})
     out["simulated_acceptance_length"] = simulated_acceptance_length(acc)
+    out["exact_acceptance_length"] = float(total.chain.sum() / count[0])
+    return out
+
+
+def bootstrap_intervals(
+    stats: StepStats, resamples: int = 1000, level: float = 0.95, seed: int = 0
+) -> dict[str, float]:
+    """Percentile intervals of both acceptance lengths over samples drawn with
+    replacement from the rows (held-out conversations) of per-sample `stats`."""
+    n = stats.count.shape[0]
+    g = torch.Generator().manual_seed(seed)
+    draws = torch.randint(0, n, (resamples, n), generator=g)
+    weights = torch.zeros(resamples, n).scatter_add_(1, draws, torch.ones(resamples, n))
+    correct = weights @ stats.correct.cpu().float()
+    count = (weights @ stats.count.cpu().float()).clamp(min=1.0)
+    simulated = 1 + torch.cumprod(correct / count, dim=1).sum(1)
+    exact = (weights @ stats.chain.cpu().float()) / count[:, 0]
+    q = torch.tensor([(1 - level) / 2, (1 + level) / 2])
+    out = {}
+    for name, values in (("simulated", simulated), ("exact", exact)):
+        lo, hi = torch.quantile(values, q).tolist()
+        out[f"{name}_acceptance_length_lo"], out[f"{name}_acceptance_length_hi"] = lo, hi
     return out
