@@ -146,7 +146,10 @@ def select_tree(
         cand_parents < 0, torch.zeros_like(cand_parents), index_of[cand_parents.clamp(min=0)]
     )
     tree_parents = torch.cat([node_parents.new_full((1,), -1), node_parents])
-    root = torch.as_tensor(root_token, dtype=tokens.dtype, device=tokens.device).view(1)
+    if isinstance(root_token, torch.Tensor):
+        root = root_token.view(1).to(tokens.dtype)
+    else:  # a fill, not a copy from the host (which waits for the device on CUDA)
+        root = tokens.new_full((1,), root_token)
     tree_tokens = torch.cat([root, tokens[chosen]])
     mask = ancestor_mask(tree_parents)
     return Tree(tree_tokens, tree_parents, mask.sum(1) - 1, mask)
