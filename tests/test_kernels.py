@@ -182,6 +182,14 @@ def test_compact_kv_reference():
     assert torch.equal(k, want_k) and torch.equal(v, want_v)
     compact_kv(k, v, torch.tensor([[7], [6]]), 6)
     assert torch.equal(k[0, :, 6], want_k[0, :, 7]) and torch.equal(k[1, :, 6], want_k[1, :, 6])
+    # every layer stacked [L,B,H,S,D]: each layer moves as its own cache would
+    k, v = torch.randn(2, 3, 2, 3, 20, 4, generator=gen).unbind()
+    want = [(k[i].clone(), v[i].clone()) for i in range(3)]
+    for layer_k, layer_v in want:
+        compact_kv_reference(layer_k, layer_v, src, 6)
+    compact_kv_reference(k, v, src, 6)
+    assert torch.equal(k, torch.stack([w[0] for w in want]))
+    assert torch.equal(v, torch.stack([w[1] for w in want]))
 
 
 def naive_sampling(tokens, parents, probs, uniforms):

@@ -162,19 +162,20 @@ def random_paths(b: int, n: int, slots: int, gen: torch.Generator) -> torch.Tens
 
 
 @pytest.mark.parametrize(
-    "b,h,d,n,prefix,dtype",
+    "layers,b,h,d,n,prefix,dtype",
     [
-        (1, 1, 1, 1, 1, torch.float32),
-        (2, 3, 24, 5, 7, torch.float32),
-        (3, 2, 128, 9, 40, torch.bfloat16),
+        ((), 1, 1, 1, 1, 1, torch.float32),
+        ((), 2, 3, 24, 5, 7, torch.float32),
+        ((), 3, 2, 128, 9, 40, torch.bfloat16),
+        ((4,), 2, 3, 16, 6, 11, torch.float32),  # every layer's cache stacked: one launch
     ],
 )
-def test_compact_kv(b, h, d, n, prefix, dtype):
-    gen = generator("test_compact_kv", b, h, d, n, prefix, dtype)
+def test_compact_kv(layers, b, h, d, n, prefix, dtype):
+    gen = generator("test_compact_kv", layers, b, h, d, n, prefix, dtype)
     tree = n + 6
-    k = torch.randn(b, h, prefix + tree + 4, d, generator=gen).to(dtype)
-    v = torch.randn(b, h, prefix + tree + 4, d, generator=gen).to(dtype)
-    k[:, :, prefix + tree :] = float("nan")  # untouched slots must stay as they are
+    k = torch.randn(*layers, b, h, prefix + tree + 4, d, generator=gen).to(dtype)
+    v = torch.randn(*layers, b, h, prefix + tree + 4, d, generator=gen).to(dtype)
+    k[..., prefix + tree :, :] = float("nan")  # untouched slots must stay as they are
     src = prefix + random_paths(b, n, tree, gen)
     src[src < prefix] = -1
     k, v, src = on_device(k, v, src)
