@@ -255,9 +255,9 @@ def test_kv_cache_holds_the_run_not_the_context(tokenizer):
     spec = SpeculativeDecoder(runtime, repeat_draft(model), tokenizer, 2, 3, 6)
 
     def slots():
-        caches = runtime.kv_caches()
-        assert all(c.k.dtype == torch.float32 for c in caches)  # CPU: what attention uses
-        return {t.shape[2] for c in caches for t in (c.k, c.v)}, spec.cache.k.shape[2]
+        cache = runtime.kv_cache
+        assert cache.k.dtype == cache.v.dtype == torch.float32  # CPU: what attention uses
+        return {t.shape[3] for t in (cache.k, cache.v)}, spec.cache.k.shape[2]
 
     turn1 = list(range(20, 60))
     first = spec.generate(turn1, 16)
@@ -268,6 +268,104 @@ def test_kv_cache_holds_the_run_not_the_context(tokenizer):
     assert slots() == ({2 * CACHE_BLOCK}, 2 * CACHE_BLOCK + spec.tree_slots)
     fresh = BaselineDecoder(Transformer.from_hf(model), tokenizer).generate(turn2, 16)
     assert second.tokens == fresh.tokens
+
+
+def test_a_speculative_step_waits_on_the_device_once():
+    """One host read per step, the new tokens: on CUDA the rest of the step stays queued
+    (counted at the dispatcher on CPU, where every op would be a sync there)."""
+    from test_decode_tree import HostReads, ToList
+
+    model = tiny_model("llama", seed=3, vocab_size=V)
+    spec = SpeculativeDecoder(Transformer.from_hf(model), repeat_draft(model), None, 4, 3, 12)
+    reads, step = [], spec._step
+
+    def counted(*args):
+        with HostReads() as seen, ToList(seen.seen):
+            out = step(*args)
+        reads.append(seen.seen)
+        return out
+
+    spec._step = counted
+    result = spec.generate(list(range(10, 40)), 32)
+    assert len(reads) == result.steps >= 4 and max(result.accepted) > 0
+    assert all(seen == ["tolist"] for seen in reads), reads
+
+
+@torch.inference_mode()
+def _refresh(spec: SpeculativeDecoder, aux, tokens, start: int) -> list[torch.Tensor]:
+    """The draft's refresh: logits, hidden and the cache entries it wrote, one row per token."""
+    logits, hidden = spec._refresh(aux, tokens, start)
+    written = [
+        c[0, :, start : start + len(tokens)].transpose(0, 1) for c in (spec.cache.k, spec.cache.v)
+    ]
+    return [logits, hidden, *(t.clone() for t in written)]
+
+
+def test_padded_refresh_keeps_the_real_rows():
+    """The draft's refresh runs depth + 1 rows whatever was accepted: the rows after
+    the real ones change nothing in them. bf16 (packed products of up to 32 rows do
+    not depend on the row count) equals the unpadded refresh bit for bit; fp32 CPU
+    products round by row count, so there the padding's contents are what must not
+    matter, bit for bit, and the unpadded refresh agrees to rounding."""
+    from eagletools.cpu_ops import packing_available
+
+    model = tiny_model("llama", seed=3, vocab_size=V)
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        spec = SpeculativeDecoder(
+            Transformer.from_hf(model, dtype=dtype), random_draft(model), None, 4, 5, 16
+        )
+        spec.generate(list(range(10, 40)), 8)
+        start, rows = spec.draft_len, spec.path_rows
+        aux = torch.randn(rows, 3 * 64, generator=g).to(dtype)
+        tokens = torch.randint(0, V, (rows,), generator=g)
+        for n in range(1, rows):
+            padded = [t[:n] for t in _refresh(spec, aux, tokens, start)]
+            other_tokens = torch.cat([tokens[:n], (tokens[n:] + 1) % V])
+            other = _refresh(spec, torch.cat([aux[:n], -aux[n:]]), other_tokens, start)
+            assert all(torch.equal(a, b[:n]) for a, b in zip(padded, other, strict=True))
+            unpadded = _refresh(spec, aux[:n], tokens[:n], start)
+            if dtype == torch.bfloat16 and packing_available():
+                assert all(map(torch.equal, padded, unpadded))
+            for a, b in zip(padded, unpadded, strict=True):
+                torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def test_cuda_graphs_only_on_cuda():
+    from eagletools.decode.graphs import StaticCall, graphed
+
+    def fn():
+        return ()
+
+    assert graphed(fn, torch.device("cpu"), tuple) is fn
+    assert isinstance(graphed(fn, torch.device("cuda"), tuple), StaticCall)  # captures when called
+    model = tiny_model("llama", vocab_size=V)
+    spec = SpeculativeDecoder(Transformer.from_hf(model), random_draft(model), None, 2, 3, 6)
+    assert spec.verify_forward == spec._verify_forward and spec.refresh == spec._refresh
+
+
+def test_the_graph_path_short_of_capture_equals_the_baseline(tokenizer):
+    """What a CUDA graph replays, eagerly on CPU: the start as a device tensor, attention over
+    the whole cache under a mask, inputs and outputs in static tensors reused across steps,
+    set up again when the cache grows."""
+    from eagletools.decode.graphs import StaticCall
+
+    model = tiny_model("llama", seed=3, vocab_size=V)
+    runtime = Transformer.from_hf(model)
+    spec = SpeculativeDecoder(runtime, repeat_draft(model), tokenizer, 2, 3, 6)
+    cpu = torch.device("cpu")
+    for name in ("verify_forward", "refresh"):
+        call = StaticCall(getattr(spec, f"_{name}"), cpu, spec._caches, capture=False)
+        setattr(spec, name, call)
+    turn1 = list(range(20, 60))
+    first = spec.generate(turn1, 16)
+    turn2 = turn1 + first.tokens + list(range(60, 380))  # grows the caches
+    second = spec.generate(turn2, 16)
+    assert spec.verify_forward.key[0][0] == runtime.kv_cache.k.data_ptr()  # set up again
+    assert sum(first.accepted) > 0 and second.reused_tokens >= len(turn1)
+    baseline = BaselineDecoder(Transformer.from_hf(model), tokenizer)
+    assert first.tokens == baseline.generate(turn1, 16).tokens
+    assert second.tokens == baseline.generate(turn2, 16).tokens
 
 
 def _full_sort_top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:

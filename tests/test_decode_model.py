@@ -56,6 +56,57 @@ def test_tree_mask_sees_only_ancestors():
     assert (logits[0, [0, 2, 4]] - ref[0, 16:19]).abs().max() <= 1e-4
 
 
+def test_cache_mask_is_the_extend_mask_over_the_whole_cache():
+    from eagletools.decode.model import cache_mask, extend_mask
+
+    tree = ancestor_mask(torch.tensor([-1, 0, 0, 1, 2]))
+    for start, tree_mask in [(0, None), (7, tree), (11, None), (11, tree)]:
+        n = 5
+        got = cache_mask(torch.tensor(start), n, 16, tree_mask)
+        assert torch.equal(got[:, : start + n], extend_mask(start, n, tree_mask))
+        assert not got[:, start + n :].any()
+
+
+def test_a_start_on_the_device_gives_the_same_forward(family):
+    """The start as a 0-d tensor (a CUDA graph replaying new lengths): the K/V land in
+    the same slots and the logits agree, though attention reads the whole cache."""
+    model = tiny_model(family, seed=4)
+    by_int, by_tensor = _runtime(model, 64), _runtime(model, 64)
+    ids = torch.randint(0, 256, (1, 30), generator=torch.Generator().manual_seed(5))
+    tree = ancestor_mask(torch.tensor([-1, 0, 0, 1, 2]))
+    start = torch.tensor(0)
+    for runtime in (by_int, by_tensor):
+        runtime(ids[:, :20], torch.arange(20), 0)
+        for cache in (runtime.kv_cache.k, runtime.kv_cache.v):
+            cache[..., 20:, :] = 1e4  # stale entries the mask must hide
+    for begin, n, mask in [(20, 5, tree), (25, 3, None), (28, 1, None)]:
+        positions = begin + (tree.sum(1) - 1 if mask is not None else torch.arange(n))
+        want = by_int(ids[:, begin : begin + n], positions, begin, mask, aux_layer_ids=[1, 4])
+        start.fill_(begin)
+        got = by_tensor(ids[:, begin : begin + n], positions, start, mask, aux_layer_ids=[1, 4])
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    for a, b in [
+        (by_tensor.kv_cache.k, by_int.kv_cache.k),
+        (by_tensor.kv_cache.v, by_int.kv_cache.v),
+    ]:
+        assert torch.equal(a, b)
+
+
+def test_growing_the_cache_keeps_every_layer():
+    runtime = _runtime(tiny_model("llama", seed=6), max_len=16)
+    ids = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(6))
+    runtime(ids, torch.arange(16), 0)
+    before = runtime.kv_cache.k.clone(), runtime.kv_cache.v.clone()
+    runtime.reserve(40, limit=300)
+    cache = runtime.kv_cache
+    assert runtime.cache_len == cache.size == 256 and cache.k.shape == (4, 1, 2, 256, 16)
+    assert torch.equal(cache.k[..., :16, :], before[0]) and torch.equal(
+        cache.v[..., :16, :], before[1]
+    )
+    assert all(k.data_ptr() == cache.k[i].data_ptr() for i, (k, _) in enumerate(cache.layers))
+
+
 def test_sequence_beyond_the_cache_is_a_user_error():
     runtime = _runtime(tiny_model("llama"), max_len=16)
     with pytest.raises(UserError, match="exceeds the KV cache"):

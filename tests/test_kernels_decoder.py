@@ -1,7 +1,9 @@
 """The decoder on its Triton path: greedy speculative output equals the baseline.
 
-On CUDA the decoder runs every kernel; here `EAGLETOOLS_KERNELS=triton` forces
-the same path onto CPU tensors under Triton's interpreter. Triton reads
+On CUDA the decoder runs every kernel, inside CUDA graphs; here
+`EAGLETOOLS_KERNELS=triton` forces the same path onto CPU tensors under
+Triton's interpreter, and the graphed calls run eagerly on their static
+buffers (the start read on the device, as replays read it). Triton reads
 `TRITON_INTERPRET` at import, so the check runs in a fresh process.
 """
 
@@ -19,6 +21,7 @@ sys.path.insert(0, sys.argv[1])
 from conftest import tiny_model
 from eagletools import kernels
 from eagletools.decode import BaselineDecoder, SpeculativeDecoder, Transformer
+from eagletools.decode.graphs import StaticCall
 from eagletools.draft import Eagle3Draft
 from eagletools.kernels import attention, draft_topk, greedy_verify, kv_compact
 
@@ -43,9 +46,12 @@ with torch.no_grad():  # proposes the target's own last prediction: often accept
     draft.midlayer.mlp.down_proj.weight.zero_()
 prompt = [5, 17, 33, 2, 9, 41, 7]
 base = BaselineDecoder(runtime, None).generate(prompt, 24)
-spec = SpeculativeDecoder(runtime, draft, None, topk=2, depth=3, num_draft_tokens=6).generate(prompt, 24)
-assert spec.tokens == base.tokens, (spec.tokens, base.tokens)
-assert sum(spec.accepted) > 0, "no draft accepted: the check would not exercise compaction"
+spec = SpeculativeDecoder(runtime, draft, None, topk=2, depth=3, num_draft_tokens=6)
+for name in ("verify_forward", "refresh"):  # as CUDA graphs replay: the start on the device
+    setattr(spec, name, StaticCall(getattr(spec, "_" + name), runtime.device, spec._caches, False))
+out = spec.generate(prompt, 24)
+assert out.tokens == base.tokens, (out.tokens, base.tokens)
+assert sum(out.accepted) > 0, "no draft accepted: the check would not exercise compaction"
 print(sorted(calls.items()))
 """
 

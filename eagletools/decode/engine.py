@@ -20,7 +20,8 @@ import torch
 
 from eagletools import kernels
 from eagletools.cpu_ops import argmax, pack_linears
-from eagletools.decode.model import Transformer, extend_mask, grown
+from eagletools.decode.graphs import graphed
+from eagletools.decode.model import Transformer, cache_mask, extend_mask, grown
 from eagletools.decode.tree import check_tree_shape, grow_tree, max_tree_nodes
 from eagletools.errors import UserError
 
@@ -331,7 +332,7 @@ class BaselineDecoder:
             if self.target_len + 1 > self.model.cache_len:
                 return stop.give_up("context")
             pos = torch.tensor([self.target_len], device=self.model.device)
-            logits, _ = self.model(torch.tensor([[token]], device=pos.device), pos, pos.item())
+            logits, _ = self.model(torch.tensor([[token]], device=pos.device), pos, self.target_len)
             self.target_len += 1
             accepted.append(0)
             token = self._choose(logits[0, -1], sampling, generator)
@@ -341,7 +342,14 @@ class BaselineDecoder:
 
 
 class SpeculativeDecoder(BaselineDecoder):
-    """EAGLE-3 tree speculative decoding (docs/design.md 3.6), lossless."""
+    """EAGLE-3 tree speculative decoding (docs/design.md 3.6), lossless.
+
+    Ready for CUDA graphs: a step's shapes are fixed (the verify forward runs
+    `num_draft_tokens` rows, the draft's refresh over the accepted tokens
+    `depth + 1`, padded), the host waits on the device once per step (for the
+    new tokens), and on CUDA both calls replay captured graphs
+    (`cuda_graphs=False`: eager).
+    """
 
     def __init__(
         self,
@@ -352,6 +360,7 @@ class SpeculativeDecoder(BaselineDecoder):
         depth: int = 5,
         num_draft_tokens: int = 16,
         max_seq_len: int | None = None,
+        cuda_graphs: bool = True,
     ):
         from eagletools.draft import DraftKVCache
 
@@ -363,12 +372,21 @@ class SpeculativeDecoder(BaselineDecoder):
         self.draft = pack_linears(draft.to(model.dtype).eval())
         self.aux_ids = tuple(draft.config.aux_layer_ids)
         self.tree_slots = max_tree_nodes(topk, depth)
+        self.path_rows = min(num_draft_tokens, depth + 1)  # most nodes a path holds, root too
         self.cache = DraftKVCache.allocate(
             draft.config, 1, self.tree_slots, model.dtype, model.device
         )  # grown with the target's (`_reserve`)
         identity = bool((draft.d2t == 0).all())
         self.d2t = None if identity else draft.d2t
         self.draft_len = 0
+        self.verify_forward, self.refresh = self._verify_forward, self._refresh
+        if cuda_graphs:  # on CUDA: captured once per cache allocation, then replayed
+            self.verify_forward = graphed(self._verify_forward, model.device, self._caches)
+            self.refresh = graphed(self._refresh, model.device, self._caches)
+
+    def _caches(self) -> tuple[torch.Tensor, ...]:
+        """What the step's calls write besides their outputs: both KV caches."""
+        return self.model.kv_cache.k, self.model.kv_cache.v, self.cache.k, self.cache.v
 
     def reset(self) -> None:
         super().reset()
@@ -385,16 +403,23 @@ class SpeculativeDecoder(BaselineDecoder):
         reuse = super()._reusable(prompt)
         return max(0, min(reuse, self._common_prefix(prompt) - 1, self.draft_len))
 
-    def _draft_extend(self, aux: torch.Tensor, tokens: list[int], start: int):
-        """Draft entries start.. from the target's aux [n, A*H] and the next tokens [n]."""
-        n = len(tokens)
-        device = self.model.device
+    def _verify_forward(self, tokens, positions, start, mask):
+        """The target over the tree: (logits [1,N,V], aux [1,N,A*H])."""
+        return self.model(tokens, positions, start, mask, self.aux_ids)
+
+    def _refresh(self, aux: torch.Tensor, tokens: torch.Tensor, start: int | torch.Tensor):
+        """Draft entries `start..` from the target's aux [n, A*H] and the next tokens [n]:
+        (draft logits [n, Vd], hidden [n, H]). Causal, so rows padded after the real
+        ones change nothing before them."""
+        n = tokens.shape[0]
         hidden = self.draft.fuse_aux(aux)[None]
-        ids = torch.tensor([tokens], device=device)
-        slots = torch.arange(start, start + n, device=device)
-        logits, h = self.draft.decode(hidden, ids, slots, self.cache, slots, extend_mask(start, n))
-        self.draft_len = start + n
-        return logits[0, -1], h[0, -1]
+        slots = start + torch.arange(n, device=tokens.device)
+        if isinstance(start, torch.Tensor):  # every slot, hidden after the new ones
+            mask = cache_mask(start, n, self.cache.k.shape[2])
+        else:
+            mask = extend_mask(start, n, device=tokens.device)
+        logits, h = self.draft.decode(hidden, tokens[None], slots, self.cache, slots, mask)
+        return logits[0], h[0]
 
     def _draft_step(self, j: int, tokens, hidden, rows):
         base = self.draft_len
@@ -409,37 +434,53 @@ class SpeculativeDecoder(BaselineDecoder):
 
     def _decode(self, root, aux, reuse, stop, accepted, sampling, generator) -> None:
         model = self.model
-        d_logits, d_hidden = self._draft_extend(aux[0], self.seq[reuse + 1 :], reuse)
+        tokens = torch.tensor(self.seq[reuse + 1 :], device=model.device)
+        d_logits, d_hidden = self._refresh(aux[0], tokens, reuse)
+        d_logits, d_hidden = d_logits[-1], d_hidden[-1]
+        self.draft_len = reuse + len(tokens)
         while True:
             length = self.target_len
             if length + self.num_draft_tokens > model.cache_len:
                 return stop.give_up("context")
-            tree = grow_tree(
-                self._draft_step,
-                root,
-                d_logits,
-                d_hidden,
-                self.d2t,
-                self.topk,
-                self.depth,
-                self.num_draft_tokens,
-            )
-            logits, aux = model(
-                tree.tokens[None], length + tree.depths, length, tree.mask, self.aux_ids
-            )
-            path, n_acc, bonus = self._verify(tree, logits[0], sampling, generator)
-            nodes = path[0, : int(n_acc) + 1]
-            if not torch.equal(nodes, torch.arange(len(nodes), device=nodes.device)):
-                for cache in model.kv_caches():  # a chain needs no move
-                    kernels.compact_kv(cache.k, cache.v, (length + nodes)[None], length)
-            new = [*tree.tokens[nodes[1:]].tolist(), int(bonus)]
+            new, d_logits, d_hidden = self._step(root, d_logits, d_hidden, sampling, generator)
             self.seq.extend(new)
-            self.target_len = length + len(nodes)
+            self.target_len = self.draft_len = length + len(new)
             accepted.append(len(new) - 1)
             root = new[-1]
             if stop.add(new):
                 return
-            d_logits, d_hidden = self._draft_extend(aux[0, nodes], new, length)
+
+    def _step(self, root: int, d_logits, d_hidden, sampling: Sampling, generator):
+        """Draft a tree under `root`, verify it, keep the accepted nodes' K/V and refresh
+        the draft over them: (new tokens: the accepted drafts and the bonus, the draft's
+        logits and hidden for the next tree).
+
+        The host waits on the device once, for the new tokens: everything else
+        is queued with shapes that do not depend on how many were accepted.
+        """
+        length = self.target_len
+        tree = grow_tree(
+            self._draft_step,
+            root,
+            d_logits,
+            d_hidden,
+            self.d2t,
+            self.topk,
+            self.depth,
+            self.num_draft_tokens,
+        )
+        logits, aux = self.verify_forward(
+            tree.tokens[None], length + tree.depths, length, tree.mask
+        )
+        path, n_acc, bonus = self._verify(tree, logits[0], sampling, generator)
+        nodes = path[0, : self.path_rows]  # root first, -1 after the last accepted
+        # after node i comes node i+1's token, after the last accepted one the bonus
+        new = torch.cat([tree.tokens[nodes[1:].clamp(min=0)], bonus]).scatter(0, n_acc, bonus)
+        self.model.kv_cache.compact(torch.where(nodes >= 0, length + nodes, -1)[None], length)
+        d_logits, d_hidden = self.refresh(aux[0, nodes.clamp(min=0)], new, length)
+        d_logits, d_hidden = d_logits.index_select(0, n_acc)[0], d_hidden.index_select(0, n_acc)[0]
+        n, *tokens = torch.cat([n_acc, new]).tolist()  # the step's one wait on the device
+        return tokens[: n + 1], d_logits, d_hidden
 
     def _verify(self, tree, logits: torch.Tensor, sampling: Sampling, generator):
         tokens, parents = tree.tokens[None], tree.parents[None]
