@@ -15,8 +15,9 @@ Sections (`--sections`, comma-separated; default all, in this order):
            GB/s against the floor
   decode   plain and speculative tokens/s of eagletools' decoder on a random
            SmolLM2-135M-shaped target with a random draft (tau ~ 1), greedy
-           speculative output == plain output (bf16 and fp32); one forward of an
-           8B-shaped target cut to a few layers (weight GB/s)
+           speculative output == plain output (bf16 and fp32), the speculative
+           step with and without CUDA graphs; one forward of an 8B-shaped target
+           cut to a few layers (weight GB/s)
   train    TTT unroll training step (bf16 autocast, AdamW) of a Llama-3.1-8B-sized
            draft at batch 1 and 8 x 2048 tokens: tokens/s, peak memory
   fsdp     1-process FSDP2 (`fully_shard`) save with the trainer's checkpoint
@@ -542,25 +543,29 @@ def decoder_speed(ctx: Context, report: Report) -> None:
     for dtype in (torch.bfloat16, torch.float32):
         runtime = Transformer.from_hf(hf, dtype=dtype)
         plain = BaselineDecoder(runtime, None, max_seq_len=max_len)  # no tokenizer: ids only
-        spec = SpeculativeDecoder(runtime, copy.deepcopy(draft), None, topk, depth, n_draft,
-                                  max_seq_len=max_len)  # fmt: skip
+        decoders = [("plain", plain, "")]
+        # on CUDA the step's verify forward and draft refresh replay CUDA graphs; beside
+        # them the same decoder eager, so the table shows what the graphs save
+        for graphs in (True, False) if ctx.cuda else (True,):
+            spec = SpeculativeDecoder(runtime, copy.deepcopy(draft), None, topk, depth, n_draft,
+                                      max_seq_len=max_len, cuda_graphs=graphs)  # fmt: skip
+            how = ("; CUDA graphs" if graphs else "; eager") if ctx.cuda else ""
+            decoders.append((f"speculative (tree {topk}/{depth}/{n_draft})", spec, how))
         results = {}
-        for label, decoder in (("plain", plain), ("speculative", spec)):
-            decoder.generate(prompt, max_new_tokens=min(16, p.new_tokens))  # allocate, compile
+        for label, decoder, how in decoders:
+            decoder.generate(prompt, max_new_tokens=min(16, p.new_tokens))  # allocate, capture
             decoder.reset()
             results[label] = r = decoder.generate(prompt, max_new_tokens=p.new_tokens)
             diff = first_difference(r.tokens, results["plain"].tokens)
             same = None if label == "plain" else diff is None
             report.row(**{
-                "run": f"{name} {label}" + (f" (tree {topk}/{depth}/{n_draft})"
-                                            if label == "speculative" else ""),
-                "dtype": str(dtype).removeprefix("torch."), "tokens": len(r.tokens),
-                "tok/s": r.tokens_per_s, "ms/step": 1e3 * r.seconds / (r.steps + 1),
-                "tau": r.tau, "same as plain": same,
-                "note": f"{kernel_kind} kernels" + ("" if diff is None
-                                                    else f"; first difference at token {diff}"),
+                "run": f"{name} {label}", "dtype": str(dtype).removeprefix("torch."),
+                "tokens": len(r.tokens), "tok/s": r.tokens_per_s,
+                "ms/step": 1e3 * r.seconds / (r.steps + 1), "tau": r.tau, "same as plain": same,
+                "note": f"{kernel_kind} kernels{how}" + ("" if diff is None
+                                                         else f"; first difference at token {diff}"),
             })  # fmt: skip
-        del runtime, plain, spec
+        del runtime, decoders
 
 
 def big_forward(ctx: Context, report: Report) -> None:
