@@ -1,0 +1,162 @@
+"""speculators 0.9.0's own `speculators train`, run on a CPU (in .venv-speculators).
+
+Called by benchmarks/peer/speculators_train.py; the rest of argv goes to
+`speculators.train.cli.main`. Four device lines of its trainer assume an
+accelerator; each is pointed at the CPU here and nothing else is changed (the
+model, loss, optimizer, schedule and data path are the package's):
+
+- trainer.py:348 `self.model.to(self.local_rank)` with `local_rank = 0` means
+  `cuda:0` ("RuntimeError: Cannot access accelerator device when none is
+  available"); batches go `.to(self.local_rank)` too. `get_local_rank` returns
+  the CPU device instead.
+- `Trainer.__init__`: `device_type = acc.type if acc is not None else "cuda"`,
+  so autocast would be asked for CUDA and disabled; it is "cpu", so each step
+  autocasts to `--hidden-states-dtype` (bf16) on the CPU as on a GPU.
+- trainer.py:80 `_StepTimer.mark` calls `torch.accelerator.synchronize()` on
+  every logged step, which raises the same error; CPU work is synchronous, so
+  it is a no-op here.
+- `conditional_torch_compile` compiles the forward only under CUDA: left as is.
+
+Two defaults cannot run on a CPU and are set by the caller: the flex attention
+("NotImplementedError: FlexAttention does not support backward on CPU",
+torch/nn/attention/flex_attention.py:2082) and the fused loss ("RuntimeError:
+Fused losses require Triton; use --loss-implementation eager", losses/utils.py:120).
+
+Before training, `token_freq.pt` is counted by the package's own
+`save_token_frequency_distribution` over the training rows (their split rule:
+the first `int(rows * train_data_ratio)`), so their trainer builds d2t/t2d.
+With `--max-steps`, `--epochs` is set to the epochs those steps need (the loop
+would otherwise run one more step per remaining epoch). Every run writes `peer_stats.json` beside its checkpoints: steps, tokens
+trained (padding excluded), wall and CPU seconds of the training loop.
+
+    .venv-speculators/bin/python benchmarks/peer/speculators_cpu.py --data-path D ...
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+
+def on_cpu() -> None:
+    """Point the trainer's device lines at the CPU (see the module docstring)."""
+    from speculators.train import trainer
+
+    cpu = torch.device("cpu")
+    trainer.get_local_rank = lambda: cpu
+    init = trainer.Trainer.__init__
+
+    def cpu_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.device_type = "cpu"
+
+    trainer.Trainer.__init__ = cpu_init
+    if torch.accelerator.current_accelerator() is None:
+        torch.accelerator.synchronize = lambda device=None: None
+
+
+def watch() -> dict[str, list]:
+    """Clock and CPU time at each training forward and optimizer step (read only)."""
+    from speculators.models.eagle3 import Eagle3DraftModel
+    from speculators.train import trainer
+
+    log: dict[str, list] = {"forward": [], "step": []}
+    forward, step = Eagle3DraftModel.forward, trainer.Trainer._optimizers_step
+
+    def counted(self, *args, **kwargs):
+        if self.training:
+            tokens = int((kwargs["document_ids"] != -1).sum())
+            log["forward"].append((time.perf_counter(), time.process_time(), tokens))
+        return forward(self, *args, **kwargs)
+
+    def timed(self):
+        step(self)
+        log["step"].append((time.perf_counter(), time.process_time()))
+
+    Eagle3DraftModel.forward = counted
+    trainer.Trainer._optimizers_step = timed
+    return log
+
+
+def flat(argv: list[str]) -> dict:
+    from speculators.train.config import TrainConfig
+
+    return TrainConfig.resolve(argv).flatten()
+
+
+def count_tokens(cfg: dict) -> None:
+    """The package's token counts over its training rows, for d2t/t2d."""
+    from datasets import load_from_disk
+    from speculators.train.vocab_mapping import save_token_frequency_distribution
+
+    path = Path(cfg["data_path"]) / "token_freq.pt"
+    if not path.exists():
+        data = load_from_disk(cfg["data_path"])
+        rows = int(len(data) * cfg["train_data_ratio"])
+        save_token_frequency_distribution(data.select(range(rows)), path)
+
+
+def steps_per_epoch(cfg: dict) -> int:
+    """Packed batches per epoch, from the package's own sampler over the train split."""
+    from speculators.train.data import ArrowDataset
+    from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
+
+    data = ArrowDataset(
+        max_len=cfg["total_seq_len"],
+        datapath=cfg["data_path"],
+        on_missing="raise",
+        train_ratio=cfg["train_data_ratio"],
+        split="train",
+    )
+    sampler = MultipackDistributedBatchSamplerV2(
+        batch_max_length=cfg["total_seq_len"], lengths=data.approx_lengths,
+        num_replicas=1, rank=0, seed=cfg["seed"],
+    )  # fmt: skip
+    return len(sampler)
+
+
+def stats(log: dict[str, list]) -> dict:
+    """Steps, tokens and the loop's clock/CPU seconds, from the first forward on."""
+    if not log["step"]:
+        return {"steps": 0, "tokens": 0}
+    (wall0, cpu0, _), (wall1, cpu1) = log["forward"][0], log["step"][-1]
+    tokens = sum(t for _, _, t in log["forward"][: len(log["step"])])
+    walls = [w for w, _ in log["step"]]
+    return {
+        "steps": len(log["step"]),
+        "tokens": tokens,
+        "train_wall_s": wall1 - wall0,
+        "train_cpu_s": cpu1 - cpu0,
+        "tokens_per_s": tokens / max(wall1 - wall0, 1e-9),
+        "tokens_per_cpu_s": tokens / max(cpu1 - cpu0, 1e-9),
+        # steady state: the first step warms up allocators and kernels
+        "seconds_per_step": (walls[-1] - walls[0]) / max(1, len(walls) - 1),
+    }
+
+
+def main(argv: list[str]) -> None:
+    from speculators.train.cli import main as train
+    from speculators.train.config import TrainConfig
+
+    cfg = flat(argv)
+    count_tokens(cfg)
+    if cfg["max_steps"] and not any(a.startswith("--epochs") for a in argv):
+        argv += [f"--epochs={math.ceil(cfg['max_steps'] / steps_per_epoch(cfg))}"]
+    on_cpu()
+    log = watch()
+    train(TrainConfig.resolve(argv))
+    result = stats(log)
+    Path(cfg["save_path"], "peer_stats.json").write_text(json.dumps(result, indent=2))
+    print(f"peer_stats {json.dumps(result)}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,34 @@
+"""benchmarks/peer: the hidden states we hand to speculators' trainer are the ones it
+expects: its loader splits `hidden_states [T, A+1, Ht]` into the aux states
+(`[:, :-1]`) and a last state that its loss passes through the verifier's final
+norm (`verifier_norm(hs[:, -1])`), so that norm of it must be the target's
+final hidden state.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+from conftest import tiny_model
+
+from eagletools.target import capture_aux
+from eagletools.target.anatomy import final_norm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "peer"))
+from speculators_train import their_states  # noqa: E402
+
+
+def test_their_states_split_into_our_aux_and_final_hidden_state():
+    model = tiny_model("llama", seed=3)
+    ids = torch.randint(0, 256, (1, 11), generator=torch.Generator().manual_seed(0))
+    layers = [1, 2, 3]
+    states = their_states(model, ids, layers)
+    assert states.shape == (11, 4, 64)
+    ours = capture_aux(model, ids, layer_ids=layers)
+    # their loader: hidden_states[:, :-1].flatten(1) and hidden_states[:, -1]
+    torch.testing.assert_close(states[:, :-1].flatten(1), ours.aux[0], rtol=0, atol=0)
+    final = model(ids, output_hidden_states=True).hidden_states[-1][0]  # after the norm
+    torch.testing.assert_close(final_norm(model)(states[:, -1]), final)
+    assert not torch.allclose(states[:, -1], final)  # the norm is theirs to apply
