@@ -199,7 +199,9 @@ def held_out(recipe: str, overrides: list[str], draft: Path, work: Path) -> dict
     missing, unexpected = trainer.draft.load_state_dict(ckpt.tensors, strict=False)
     if set(missing) - {"embed_tokens.weight"} or unexpected:
         raise SystemExit(f"{draft}: tensors do not fit: missing {missing}, unexpected {unexpected}")
-    return trainer.evaluate()
+    metrics = trainer.evaluate()
+    (work / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    return metrics
 
 
 def mt_bench(config: Any, draft: Path, out: Path) -> dict[str, Any]:
