@@ -21,6 +21,23 @@ class Interrupted(Exception):
     pass
 
 
+def interrupted_and_resumed(tmp_path, monkeypatch, config, after: int) -> dict[int, float]:
+    """Losses by step of a run stopped (as Ctrl-C would) after step `after`, then resumed."""
+    step = Trainer.train_step
+
+    def interrupted(trainer):
+        if trainer.state.step == after:
+            raise Interrupted
+        return step(trainer)
+
+    monkeypatch.setattr(Trainer, "train_step", interrupted)
+    with pytest.raises(Interrupted):
+        run(tmp_path, config, "cut")
+    monkeypatch.setattr(Trainer, "train_step", step)
+    resumed, _ = run(tmp_path, config, "cut", resume=True)
+    return {h["step"]: h["loss"] for h in resumed.history}
+
+
 def tiny_target(family="llama", seed=0) -> Target:
     model = tiny_model(family, seed=seed)
     return Target(model, None, TargetInfo.from_config(model.config, f"tiny-{family}"))
@@ -131,20 +148,8 @@ def test_muon_trains_and_resumes_on_the_same_trajectory(tmp_path, monkeypatch):
     saved = torch.load(tmp_path / "full/checkpoints/step-00000004/optimizer.pt")
     kinds = {"momentum_buffer" in v for v in saved["state"].values()}
     assert kinds == {True, False}  # Muon's matrices and AdamW's norms and head
-    step = Trainer.train_step
-
-    def interrupted_after_3(trainer):
-        if trainer.state.step == 3:
-            raise Interrupted
-        return step(trainer)
-
-    monkeypatch.setattr(Trainer, "train_step", interrupted_after_3)
-    with pytest.raises(Interrupted):
-        run(tmp_path, config, "cut")
-    monkeypatch.setattr(Trainer, "train_step", step)
-    resumed, _ = run(tmp_path, config, "cut", resume=True)
+    got = interrupted_and_resumed(tmp_path, monkeypatch, config, after=3)
     want = {h["step"]: h["loss"] for h in full.history}
-    got = {h["step"]: h["loss"] for h in resumed.history}
     for n in (3, 4):
         assert abs(got[n] - want[n]) <= 1e-6, (n, got[n], want[n])
 
@@ -239,20 +244,9 @@ def test_loss_on_is_checked():
 def test_resume_follows_the_same_loss_trajectory(tmp_path, monkeypatch):
     config = tiny_config("training.max_steps=9", "training.save_every=3")
     full, _ = run(tmp_path, config, "full")
-    step = Trainer.train_step
-
-    def interrupted_after_4(trainer):  # as Ctrl-C would: checkpoint at 3, stopped after 4
-        if trainer.state.step == 4:
-            raise Interrupted
-        return step(trainer)
-
-    monkeypatch.setattr(Trainer, "train_step", interrupted_after_4)
-    with pytest.raises(Interrupted):
-        run(tmp_path, config, "cut")
-    monkeypatch.setattr(Trainer, "train_step", step)
-    resumed, _ = run(tmp_path, config, "cut", resume=True)
+    # checkpoint at 3, stopped after 4
+    got = interrupted_and_resumed(tmp_path, monkeypatch, config, after=4)
     want = {h["step"]: h["loss"] for h in full.history}
-    got = {h["step"]: h["loss"] for h in resumed.history}
     assert sorted(got) == list(range(1, 10))
     for step in range(4, 10):
         assert abs(got[step] - want[step]) <= 1e-6, (step, got[step], want[step])
