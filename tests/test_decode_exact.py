@@ -66,17 +66,9 @@ def path_mismatches(runtime: Transformer, seed: int, trials: int) -> int:
 
 @torch.inference_mode()
 def test_tree_verify_equals_one_token_decoding_in_bf16(runtime):
+    """The check can fail: with fp32 attention sums (`set_exact(False)`) it found
+    mismatching trees here on this machine's CPU (and 4 of 12 trees of the real
+    SmolLM2); another CPU's kernels may happen to agree, so that control is
+    not a test."""
     runtime.set_exact(True)
     assert path_mismatches(runtime, seed=0, trials=24) == 0
-
-
-@torch.inference_mode()
-def test_the_fast_numerics_are_not_batch_invariant(runtime):
-    """The control: without `exact`, the same trees differ (on this CPU), so the test
-    above can fail; skipped where even fp32 attention happens to be invariant."""
-    runtime.set_exact(False)
-    try:
-        if path_mismatches(runtime, seed=0, trials=24) == 0:
-            pytest.skip("fp32 attention is batch-invariant on this CPU already")
-    finally:
-        runtime.set_exact(True)
