@@ -147,15 +147,32 @@ def table(rows: list[dict], notes: list[str], header: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_run_args(p: argparse.ArgumentParser, num_prompts: int) -> None:
+    """Target, draft, prompts and tree: what every decoder benchmark here takes."""
     p.add_argument("--target", default="smollm2-135m")
     p.add_argument("--draft", default="random", help="an EAGLE-3 checkpoint, or random[:SEED]")
-    p.add_argument("--assistant", help="a smaller HF model with the target's tokenizer")
-    p.add_argument("--num-prompts", type=int, default=20)
+    p.add_argument("--num-prompts", type=int, default=num_prompts)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16", type=dtype_arg)
     p.add_argument("--tree", default="4,5,16", help="topk,depth,num_draft_tokens of our tree")
+
+
+def run_settings(args: argparse.Namespace) -> Settings:
+    topk, depth, n_draft = (int(x) for x in args.tree.split(","))
+    return Settings(target=args.target, draft=args.draft, dtype=args.dtype,
+                    topk=topk, depth=depth, num_draft_tokens=n_draft)  # fmt: skip
+
+
+def first_turns(tokenizer, num_prompts: int) -> list[list[int]]:
+    """MT-bench's first `num_prompts` first turns, rendered to ids with the chat template."""
+    questions = load_benchmark("mt-bench", num_prompts)
+    return [chat_ids(tokenizer, [{"role": "user", "content": q.turns[0]}]) for q in questions]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_run_args(p, num_prompts=20)
+    p.add_argument("--assistant", help="a smaller HF model with the target's tokenizer")
     p.add_argument("--chain-depth", type=int, default=5)
     p.add_argument("--prompt-lookup-tokens", type=int, default=10)
     p.add_argument(
@@ -164,9 +181,8 @@ def main() -> None:
     p.add_argument("--output", required=True, help="markdown file for the table")
     args = p.parse_args()
 
-    topk, depth, n_draft = (int(x) for x in args.tree.split(","))
-    s = Settings(target=args.target, draft=args.draft, dtype=args.dtype,
-                 topk=topk, depth=depth, num_draft_tokens=n_draft)  # fmt: skip
+    s = run_settings(args)
+    topk, depth, n_draft = s.topk, s.depth, s.num_draft_tokens
     decoders = load_decoders(s)
     target, tokenizer = decoders.target, decoders.target.tokenizer
     eos = decoders.baseline.eos_ids
@@ -203,7 +219,7 @@ def main() -> None:
             "with this tokenizer); pass --assistant FOLDER where one exists."
         )
     questions = load_benchmark("mt-bench", args.num_prompts)
-    prompts = [chat_ids(tokenizer, [{"role": "user", "content": q.turns[0]}]) for q in questions]
+    prompts = first_turns(tokenizer, args.num_prompts)
     for generate in methods.values():  # warm-up: first-call allocation is not timed
         generate(prompts[0][:32])
     load_start = machine()["load_average_at_start"]

@@ -15,30 +15,20 @@ import argparse
 import statistics
 
 import torch
+from compare import add_run_args, first_turns, run_settings  # benchmarks/, beside this script
 
-from eagletools.data.chat import chat_ids
 from eagletools.decode import Sampling
-from eagletools.dtypes import dtype_arg
-from eagletools.eval.benchmarks import load_benchmark
-from eagletools.eval.runner import Settings, load_decoders
+from eagletools.eval.runner import load_decoders
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--target", default="smollm2-135m")
-    p.add_argument("--draft", default="random", help="an EAGLE-3 checkpoint, or random[:SEED]")
-    p.add_argument("--num-prompts", type=int, default=10)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--dtype", default="bfloat16", type=dtype_arg)
-    p.add_argument("--tree", default="4,5,16", help="topk,depth,num_draft_tokens")
+    add_run_args(p, num_prompts=10)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=0.9)
     args = p.parse_args()
 
-    topk, depth, n_draft = (int(x) for x in args.tree.split(","))
-    s = Settings(target=args.target, draft=args.draft, dtype=args.dtype,
-                 topk=topk, depth=depth, num_draft_tokens=n_draft)  # fmt: skip
-    decoders = load_decoders(s)
+    decoders = load_decoders(run_settings(args))
     spec, tokenizer = decoders.speculative, decoders.target.tokenizer
     modes = {
         "greedy": Sampling(),
@@ -49,8 +39,10 @@ def main() -> None:
     generator = torch.Generator().manual_seed(0)
     per_step = {name: [] for name in modes}
     taus = {name: [] for name in modes}
-    for q in load_benchmark("mt-bench", args.num_prompts):
-        ids = chat_ids(tokenizer, [{"role": "user", "content": q.turns[0]}])
+    prompts = first_turns(tokenizer, args.num_prompts)
+    for sampling in modes.values():  # warm-up: first-call allocation is not timed
+        spec.generate(prompts[0][:32], 8, sampling, generator=generator)
+    for ids in prompts:
         for name, sampling in modes.items():
             spec.reset()
             r = spec.generate(ids, args.max_new_tokens, sampling, generator=generator)
