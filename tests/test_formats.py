@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import tempfile
 from pathlib import Path
 
@@ -574,3 +575,20 @@ def test_llama31_rope_read_in_both_spellings_and_written_as_each_ecosystem_does(
     spec_file.write_text(json.dumps(spec_cfg))
     for folder in ("e", "s"):
         assert_same(src, load_checkpoint(tmp_path / folder))
+
+
+def test_a_sliding_window_is_named_not_dropped_silently(tmp_path, caplog):
+    """speculators 0.9.0 trains its drafts with a 2048-token window by default."""
+    save_checkpoint(make_ckpt(), tmp_path / "s", "speculators")
+    cfg = json.loads((tmp_path / "s/config.json").read_text())
+    cfg["transformer_layer_config"].update(use_sliding_window=True, sliding_window=2048)
+    (tmp_path / "s/config.json").write_text(json.dumps(cfg))
+    with caplog.at_level(logging.WARNING):
+        load_checkpoint(tmp_path / "s")
+    assert "s/config.json: transformer_layer_config: field 'sliding_window' is 2048" in caplog.text
+    cfg["transformer_layer_config"]["use_sliding_window"] = False  # Qwen2's way of turning it off
+    (tmp_path / "s/config.json").write_text(json.dumps(cfg))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        load_checkpoint(tmp_path / "s")
+    assert "sliding_window" not in caplog.text

@@ -8,11 +8,14 @@ both, and each ecosystem's is written as it writes it itself.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from eagletools.draft import DraftConfig
 from eagletools.errors import UserError
 from eagletools.target import rope_of
+
+log = logging.getLogger(__name__)
 
 LLAMA_DEFAULT_MAX_POSITIONS = 2048  # what LlamaConfig assumes when the field is absent
 
@@ -34,6 +37,17 @@ def read_layer_fields(cfg: dict[str, Any], source: str) -> dict[str, Any]:
     for flag in ("attention_bias", "mlp_bias"):
         if cfg.get(flag):
             raise UserError(f"{source}: field {flag!r} is true; EAGLE-3 heads have no biases")
+    window = cfg.get("sliding_window")
+    if window and cfg.get("use_sliding_window", True):
+        log.warning(
+            "%s: field 'sliding_window' is %s: this draft attends to its last %s positions "
+            "only, eagletools' drafts to the whole context, and what eagletools writes has no "
+            "window; proposals past that length may differ (retrain without the window to "
+            "match exactly)",
+            source,
+            window,
+            window,
+        )
     heads = cfg["num_attention_heads"]
     theta, scaling = rope_of(cfg)
     return dict(
