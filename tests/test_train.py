@@ -235,6 +235,21 @@ def test_loss_on_all_trains_on_prompts_and_evaluates_on_replies(tmp_path, monkey
         assert seen and not any(m[:, 0].any() for m in seen)  # held-out: replies only
 
 
+def test_held_out_metrics_do_not_depend_on_the_eval_batch(tmp_path):
+    """Conversations of different lengths share a padded batch; each is scored alone."""
+    metrics = []
+    for size in (1, 3, 8):
+        config = tiny_config(f"training.eval_batch_size={size}", "training.max_steps=1")
+        trainer = Trainer(
+            config, tmp_path / str(size), online_inputs(config, tiny_target(), random_dataset())
+        )
+        metrics.append(trainer.evaluate())
+    assert metrics[0]["loss"] > 0  # per-position losses: what a padding leak would move
+    for key in ("loss", "simulated_acceptance_length", "exact_acceptance_length", "acc_0"):
+        for other in metrics[1:]:
+            assert other[key] == pytest.approx(metrics[0][key], rel=1e-5), key
+
+
 def test_loss_on_is_checked():
     with pytest.raises(UserError, match="training.loss_on"):
         tiny_config("training.loss_on=prompts")

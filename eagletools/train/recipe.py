@@ -121,6 +121,8 @@ class TrainingSection:
     seed: int = 0
     bucket_size: int = 64  # batches are drawn from length-sorted buckets of this many batches
     eval_every: int = 200  # optimizer steps; 0: only at the end
+    eval_batch_size: int = 8  # held-out conversations per forward (length-sorted, so
+    # little padding): held-out metrics are per conversation, whatever the batch
     save_every: int = 500  # optimizer steps; 0: only at the end
     keep_last: int = 2
     log_every: int = 10
@@ -206,6 +208,7 @@ class TrainConfig:
             (len(t.betas) == 2, "training.betas", "must be two numbers, e.g. [0.9, 0.95]"),
             (0 <= t.warmup_ratio < 1, "training.warmup_ratio", "must be in [0, 1)"),
             (t.batch_size >= 1, "training.batch_size", "must be at least 1"),
+            (t.eval_batch_size >= 1, "training.eval_batch_size", "must be at least 1"),
             (t.grad_accum >= 1, "training.grad_accum", "must be at least 1"),
             (t.num_epochs > 0, "training.num_epochs", "must be positive"),
             (t.max_steps is None or t.max_steps >= 1, "training.max_steps", "must be >= 1"),

@@ -516,7 +516,8 @@ class Trainer:
         t, start = self.config.training, time.perf_counter()
         src = self.inputs.source
         order = sorted(range(len(self.eval_idx)), key=lambda i: src.length(self.eval_idx[i]))
-        chunks = [order[i : i + t.batch_size] for i in range(0, len(order), t.batch_size)]
+        size = t.eval_batch_size
+        chunks = [order[i : i + size] for i in range(0, len(order), size)]
         total = StepStats.zeros(len(order), t.eval_ttt_steps, self.device)
         model = self._unwrapped()
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
