@@ -145,13 +145,11 @@ class KVCache:
 
     @classmethod
     def allocate(
-        cls, n_layers: int, batch: int, n_kv: int, max_len: int, head_dim: int, dtype, device
+        cls, n_layers: int, batch: int, n_kv: int, max_len: int, head_dim: int, dtypes, device
     ) -> KVCache:
+        """`dtypes`: (K's, V's)."""
         shape = (n_layers, batch, n_kv, max_len, head_dim)
-        return cls(
-            torch.zeros(shape, dtype=dtype, device=device),
-            torch.zeros(shape, dtype=dtype, device=device),
-        )
+        return cls(*(torch.zeros(shape, dtype=dtype, device=device) for dtype in dtypes))
 
     @property
     def batch(self) -> int:
@@ -222,13 +220,14 @@ def attention(q, k, v, mask: torch.Tensor | None, exact: bool = True) -> torch.T
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=True)
     group = hq // hkv
     q32 = q.reshape(b * hkv, group * t, d).float()
-    k, v = k.float().reshape(b * hkv, s, d), v.float().reshape(b * hkv, s, d)
+    k, v = k.float().reshape(b * hkv, s, d), v.reshape(b * hkv, s, d)
+    v = v if exact else v.float()
     scores = torch.baddbmm(q32.new_empty(()), q32, k.transpose(1, 2), beta=0, alpha=d**-0.5)
     if mask is not None:
         mask = mask[:, None, None] if per_row else mask
         scores = scores.view(b, hkv, group, t, s).masked_fill(~mask, float("-inf"))
     scores = scores.view(b * hkv, group * t, s)
-    if exact:
+    if exact:  # a float64 V cache (`Transformer.cache_dtypes`) makes v.double() free
         scores, v = scores.double(), v.double()
     return torch.bmm(scores.softmax(-1), v).to(q.dtype).view(b, hq, t, d)
 
@@ -344,6 +343,20 @@ class Transformer(nn.Module):
         """Batch-invariant attention (the default) or the faster fp32 one (`attention`)."""
         for block in self.layers:
             block.attention.exact = exact
+        cache, (_, v_dtype) = self.kv_cache, self.cache_dtypes()
+        if cache is not None and cache.v.dtype != v_dtype:
+            self.kv_cache = KVCache(cache.k, cache.v.to(v_dtype))
+
+    def cache_dtypes(self) -> tuple[torch.dtype, torch.dtype]:
+        """K's and V's: what attention computes in, so no step converts the cache.
+
+        On CPU, K in fp32 and V in fp32, or fp64 under exact attention (both hold
+        the bf16 values exactly; converting V per step cost ~20 MB of memory
+        traffic per token at 300 tokens of context); the model's dtype elsewhere.
+        """
+        if self.device.type != "cpu":
+            return self.dtype, self.dtype
+        return torch.float32, torch.float64 if self.exact else torch.float32
 
     @property
     def exact(self) -> bool:
@@ -369,11 +382,8 @@ class Transformer(nn.Module):
         if cache is not None and cache.size == max_len and cache.batch == batch:
             return
         a = self.args
-        # fp32 K/V on CPU: attention runs in fp32 there, so nothing is upcast per step;
-        # the model's dtype elsewhere
-        dtype = torch.float32 if self.device.type == "cpu" else self.dtype
         self.kv_cache = KVCache.allocate(
-            a.n_layers, batch, a.n_kv_heads, max_len, a.head_dim, dtype, self.device
+            a.n_layers, batch, a.n_kv_heads, max_len, a.head_dim, self.cache_dtypes(), self.device
         )
         self.cache_owner = None
 
