@@ -72,3 +72,19 @@ def test_tree_verify_equals_one_token_decoding_in_bf16(runtime):
     not a test."""
     runtime.set_exact(True)
     assert path_mismatches(runtime, seed=0, trials=24) == 0
+
+
+@torch.inference_mode()
+def test_switching_numerics_converts_the_v_cache_and_keeps_its_values(runtime):
+    """Exact attention keeps V in float64 (no per-step conversion), fast attention in
+    float32; a switch mid-conversation converts the cache once, losing nothing."""
+    runtime.set_exact(True)
+    runtime.setup_caches(1, 64)
+    runtime(torch.arange(10)[None], torch.arange(10), 0)
+    v = runtime.kv_cache.v.clone()
+    assert v.dtype == torch.float64 and v.abs().sum() > 0
+    runtime.set_exact(False)
+    assert runtime.kv_cache.v.dtype == torch.float32
+    assert torch.equal(runtime.kv_cache.v.double(), v)  # bf16 values: exact in both
+    runtime.set_exact(True)
+    assert torch.equal(runtime.kv_cache.v, v)
