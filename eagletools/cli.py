@@ -41,9 +41,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """`parse_args`, but KEY=VALUE overrides may also follow the options
+    (`train recipe.yaml --output-dir out training.lr=1e-3`): argparse ends a
+    positional list at the first option, and its intermixed parsing does not
+    take subcommands."""
+    args, extra = parser.parse_known_args(argv)
+    overrides = getattr(args, "recipe_and_overrides", None)
+    if extra and overrides is not None and all("=" in e and not e.startswith("-") for e in extra):
+        args.recipe_and_overrides = overrides + extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse(parser, argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(levelname)s %(name)s: %(message)s",

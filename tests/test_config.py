@@ -110,3 +110,13 @@ def test_cli_prints_the_resolved_recipe_and_rejects_typos(capsys):
     assert "lr: 0.001" in capsys.readouterr().out
     assert main(["train", recipe, "training.lrr=1", "--output-dir", "x"]) == 2
     assert "unknown key 'training.lrr'" in capsys.readouterr().err
+    # overrides after the options, as users type them
+    argv = ["train", recipe, "--output-dir", "x", "training.lr=2e-3", "--print-config"]
+    assert main([*argv, "training.ttt_steps=3"]) == 0
+    out = capsys.readouterr().out
+    assert "lr: 0.002" in out and "ttt_steps: 3" in out
+    assert main(["train", recipe, "--output-dir", "x", "training.lrr=1"]) == 2
+    assert "unknown key 'training.lrr'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # anything else stray is still argparse's error
+        main(["train", recipe, "--output-dir", "x", "--bogus"])
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
