@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from eagletools.cli import build_parser, main
-from eagletools.devices import resolve_device
+from eagletools.devices import fast_matmul_dtype, resolve_device
 from eagletools.errors import UserError
 
 # every command that runs a model, with its required arguments
@@ -80,3 +80,11 @@ def test_pipeline_eval_device_fails_before_training(fresh_state, monkeypatch, tm
     config = load_config(overrides=["eval.device=cuda", "eval.benchmarks=[mt-bench]"])
     with pytest.raises(UserError, match="eval.device cuda: torch"):
         stages(config, tmp_path)
+
+
+@pytest.mark.parametrize(("device", "amx", "want"), [
+    ("cpu", False, torch.float32), ("cpu", True, torch.bfloat16), ("cuda", False, torch.bfloat16),
+])  # fmt: skip
+def test_fast_matmul_dtype_follows_the_hardware(monkeypatch, device, amx, want):
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    assert fast_matmul_dtype(torch.device(device)) == want

@@ -20,10 +20,16 @@ import torch
 _NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
 
-def orthogonalize(update: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
-    """A matrix [m, n] -> about U V^T of its SVD U S V^T, by Newton-Schulz in bf16."""
+def orthogonalize(
+    update: torch.Tensor,
+    steps: int = 5,
+    eps: float = 1e-7,
+    dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """A matrix [m, n] -> about U V^T of its SVD U S V^T, by Newton-Schulz in `dtype`
+    (bf16 is precise enough; fp32 where it is the faster, `devices.fast_matmul_dtype`)."""
     a, b, c = _NS_COEFFICIENTS
-    x = update.bfloat16()
+    x = update.to(dtype)
     tall = x.shape[0] > x.shape[1]
     if tall:  # iterate on the smaller Gram matrix
         x = x.T
@@ -47,10 +53,12 @@ class MuonAdamW(torch.optim.Optimizer):
         weight_decay: float = 0.0,
         momentum: float = 0.95,
         eps: float = 1e-8,
+        ns_dtype: torch.dtype = torch.bfloat16,
     ):
         defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay, momentum=momentum,
                         eps=eps, muon=False, lr_ratio=1.0)  # fmt: skip
         super().__init__(groups, defaults)
+        self.ns_dtype = ns_dtype  # Newton-Schulz's; not state: a resumed run may differ
 
     @torch.no_grad()
     def step(self, closure=None) -> None:  # noqa: ANN001 (torch's signature)
@@ -70,7 +78,7 @@ class MuonAdamW(torch.optim.Optimizer):
         buf.mul_(group["momentum"]).add_(p.grad)
         nesterov = p.grad.add(buf, alpha=group["momentum"])
         scale = math.sqrt(max(1.0, p.shape[0] / p.shape[1]))
-        p.add_(orthogonalize(nesterov), alpha=-lr * scale)
+        p.add_(orthogonalize(nesterov, dtype=self.ns_dtype), alpha=-lr * scale)
 
     def _adamw(self, p: torch.Tensor, group: dict, lr: float) -> None:
         state = self.state[p]

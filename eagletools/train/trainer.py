@@ -309,13 +309,17 @@ class Trainer:
     def _setup_optimizer(self, model: TTTModel) -> None:
         """AdamW (or Muon and AdamW) over the trainable weights; accelerate wraps model and
         optimizer together."""
+        from eagletools.devices import fast_matmul_dtype
         from eagletools.train.muon import MuonAdamW, muon_groups
 
         t = self.config.training
         self.params = [p for p in model.draft.parameters() if p.requires_grad]
         if t.optimizer == "muon":
             groups = muon_groups(model.draft.named_parameters(), t.muon_lr_ratio)
-            optimizer = MuonAdamW(groups, t.lr, tuple(t.betas), t.weight_decay)
+            optimizer = MuonAdamW(
+                groups, t.lr, tuple(t.betas), t.weight_decay,
+                ns_dtype=fast_matmul_dtype(self.device),  # 0.31 s a step in fp32 here, 0.50 in bf16
+            )  # fmt: skip
         else:
             optimizer = torch.optim.AdamW(
                 self.params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay,
