@@ -6,9 +6,12 @@ products of 1 to 64 rows (a decoded token, a draft tree, a regeneration batch)
 faster than `F.linear`: one row 1.3-3.1x in benchmarks/gemv.py (under load);
 against `torch.mv` a whole one-token SmolLM2 forward measured 1.006x under
 load 5 (issue 16 measured 1.89x on an idle machine: to be timed again there).
-From a few hundred rows (training) plain `F.linear` wins again. Up to 32 rows the
+From a few hundred rows (training) plain `F.linear` wins again. Up to 64 rows the
 packed bf16 product of a row does not depend on how many rows share the call
-(bitwise, this CPU's AMX kernels); fp32 products do. The packed copy lives
+(bitwise); fp32 products do. That takes one care: oneDNN has its own kernel for
+a single row, which on AVX-512 CPUs without AMX rounds some outputs apart from
+the many-row kernel (6 of 64 rows at [576, 1536], SmolLM2's down projection),
+so a lone row runs as two, at no measured cost. The packed copy lives
 beside the weight and is remade when the weight changes, so it doubles the
 memory of the layers that use it. Without grad only: it has no backward.
 
@@ -52,7 +55,11 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
 def packed_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """`F.linear` through the packed copy of a bf16 CPU `weight` (no grad)."""
+    """`F.linear` through the packed copy of a bf16 CPU `weight` (no grad); a lone row
+    goes through the many-row kernel too (module docstring)."""
+    if x.numel() == x.shape[-1]:
+        pair = x.reshape(1, -1).expand(2, -1).contiguous()
+        return _packed_linear(pair, packed_weight(weight), bias)[:1].view(*x.shape[:-1], -1)
     return _packed_linear(x.contiguous(), packed_weight(weight), bias)
 
 
