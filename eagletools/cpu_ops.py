@@ -11,7 +11,9 @@ packed bf16 product of a row does not depend on how many rows share the call
 (bitwise); fp32 products do. That takes one care: oneDNN has its own kernel for
 a single row, which on AVX-512 CPUs without AMX rounds some outputs apart from
 the many-row kernel (6 of 64 rows at [576, 1536], SmolLM2's down projection),
-so a lone row runs as two, at no measured cost. The packed copy lives
+so under exact numerics a lone row runs as two. That costs 23% of a token's
+linears (SmolLM2's 121 and its head: 17.9 against 14.6 ms, median of 7, idle
+machine without AMX); `--fast-numerics` skips it. The packed copy lives
 beside the weight and is remade when the weight changes, so it doubles the
 memory of the layers that use it. Without grad only: it has no backward.
 
@@ -53,11 +55,14 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
 
 
 def packed_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    invariant: bool = True,
 ) -> torch.Tensor:
-    """`F.linear` through the packed copy of a bf16 CPU `weight` (no grad); a lone row
-    goes through the many-row kernel too (module docstring)."""
-    if x.numel() == x.shape[-1]:
+    """`F.linear` through the packed copy of a bf16 CPU `weight` (no grad); `invariant`:
+    a lone row goes through the many-row kernel too (module docstring)."""
+    if invariant and x.numel() == x.shape[-1]:
         pair = x.reshape(1, -1).expand(2, -1).contiguous()
         return _packed_linear(pair, packed_weight(weight), bias)[:1].view(*x.shape[:-1], -1)
     return _packed_linear(x.contiguous(), packed_weight(weight), bias)
@@ -81,8 +86,10 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor:
 PACKED_MAX_ROWS = 64  # beyond, F.linear's own packing pays off (2 threads, bf16)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`F.linear`, through the packed weight where that is faster."""
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, invariant: bool = True
+) -> torch.Tensor:
+    """`F.linear`, through the packed weight where that is faster (`packed_linear`)."""
     if (
         x.numel() <= PACKED_MAX_ROWS * weight.shape[1]
         and x.dtype == torch.bfloat16
@@ -91,15 +98,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
         and packing_available()
     ):
-        return packed_linear(x, weight, bias)
+        return packed_linear(x, weight, bias, invariant)
     return F.linear(x, weight, bias)
 
 
 class PackedLinear(nn.Linear):
     """nn.Linear that runs through `linear` (same weights, same state dict)."""
 
+    invariant = True  # per instance after `Transformer.set_exact` (pack_linears runs no __init__)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.invariant)
 
 
 def pack_linears(model: nn.Module) -> nn.Module:

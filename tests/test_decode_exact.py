@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest import tiny_model
 
+from eagletools.cpu_ops import PackedLinear
 from eagletools.decode.model import Transformer
 from eagletools.decode.tree import ancestor_mask
 
@@ -88,3 +89,13 @@ def test_switching_numerics_converts_the_v_cache_and_keeps_its_values(runtime):
     assert torch.equal(runtime.kv_cache.v.double(), v)  # bf16 values: exact in both
     runtime.set_exact(True)
     assert torch.equal(runtime.kv_cache.v, v)
+
+
+def test_switching_numerics_switches_every_linear(runtime):
+    """Lone rows run as pairs (`cpu_ops.packed_linear`) under exact numerics only."""
+    linears = [m for m in runtime.modules() if isinstance(m, PackedLinear)]
+    assert len(linears) == 4 * len(runtime.layers) + 1
+    runtime.set_exact(False)
+    assert not any(m.invariant for m in linears)
+    runtime.set_exact(True)
+    assert all(m.invariant for m in linears)

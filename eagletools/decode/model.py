@@ -341,9 +341,13 @@ class Transformer(nn.Module):
         return self
 
     def set_exact(self, exact: bool) -> None:
-        """Batch-invariant attention (the default) or the faster fp32 one (`attention`)."""
+        """Batch-invariant attention and linears (the default) or the faster fp32
+        attention (`attention`) and one-row products (`cpu_ops.packed_linear`)."""
         for block in self.layers:
             block.attention.exact = exact
+        for module in self.modules():
+            if isinstance(module, PackedLinear):
+                module.invariant = exact
         cache, (_, v_dtype) = self.kv_cache, self.cache_dtypes()
         if cache is not None and cache.v.dtype != v_dtype:
             self.kv_cache = KVCache(cache.k, cache.v.to(v_dtype))
