@@ -155,12 +155,16 @@ def add_run_args(p: argparse.ArgumentParser, num_prompts: int) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16", type=dtype_arg)
     p.add_argument("--tree", default="4,5,16", help="topk,depth,num_draft_tokens of our tree")
+    p.add_argument(
+        "--compile", action="store_true", help="our decode and verify forwards by inductor"
+    )
 
 
 def run_settings(args: argparse.Namespace) -> Settings:
     topk, depth, n_draft = (int(x) for x in args.tree.split(","))
     return Settings(target=args.target, draft=args.draft, dtype=args.dtype,
-                    topk=topk, depth=depth, num_draft_tokens=n_draft)  # fmt: skip
+                    topk=topk, depth=depth, num_draft_tokens=n_draft,
+                    compile=args.compile)  # fmt: skip
 
 
 def first_turns(tokenizer, num_prompts: int) -> list[list[int]]:
@@ -188,7 +192,7 @@ def main() -> None:
     eos = decoders.baseline.eos_ids
     chain = SpeculativeDecoder(
         decoders.runtime, decoders.speculative.draft, tokenizer,
-        1, args.chain_depth, args.chain_depth + 1,
+        1, args.chain_depth, args.chain_depth + 1, forward=decoders.forward,
     )  # fmt: skip
     methods: dict[str, Method] = {
         "HF generate (greedy)": hugging_face(target.model, eos, args.max_new_tokens),

@@ -89,7 +89,13 @@ PACKED_MAX_ROWS = 64  # beyond, F.linear's own packing pays off (2 threads, bf16
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, invariant: bool = True
 ) -> torch.Tensor:
-    """`F.linear`, through the packed weight where that is faster (`packed_linear`)."""
+    """`F.linear`, through the packed weight where that is faster (`packed_linear`).
+
+    Under `torch.compile` plain `F.linear`: inductor's freezing packs the weight
+    itself (`decode.model.compiled` never gives it a lone row).
+    """
+    if torch.compiler.is_compiling():
+        return F.linear(x, weight, bias)
     if (
         x.numel() <= PACKED_MAX_ROWS * weight.shape[1]
         and x.dtype == torch.bfloat16

@@ -41,8 +41,10 @@ def random_tree(rng: random.Random, n: int) -> tuple[torch.Tensor, list[int]]:
     return torch.tensor(parents), path[::-1]
 
 
-def path_mismatches(runtime: Transformer, seed: int, trials: int) -> int:
-    """Trees whose path logits differ from one-token decoding of the same tokens."""
+def path_mismatches(runtime: Transformer, seed: int, trials: int, forward=None) -> int:
+    """Trees whose path logits differ from one-token decoding of the same tokens;
+    `forward` (default: the runtime) runs both, the prefix the runtime itself."""
+    forward = forward or runtime
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
     vocab = runtime.args.vocab_size
@@ -56,11 +58,11 @@ def path_mismatches(runtime: Transformer, seed: int, trials: int) -> int:
         runtime(torch.randint(0, vocab, (1, start), generator=g), torch.arange(start), 0)
         one_by_one = torch.stack(
             [
-                runtime(tokens[node].view(1, 1), torch.tensor([start + d]), start + d)[0][0, -1]
+                forward(tokens[node].view(1, 1), torch.tensor([start + d]), start + d)[0][0, -1]
                 for d, node in enumerate(path)
             ]
         )
-        tree, _ = runtime(tokens[None], start + mask.sum(1) - 1, start, mask)
+        tree, _ = forward(tokens[None], start + mask.sum(1) - 1, start, mask)
         bad += not torch.equal(tree[0, path], one_by_one)
     return bad
 

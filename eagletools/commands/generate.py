@@ -40,6 +40,12 @@ def add_decoding_args(p: argparse.ArgumentParser) -> None:
         "drift from plain decoding (default: batch-invariant, equal)",
     )
     p.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile the target's decode and verify forwards with torch.compile (inductor): "
+        "faster steps after about a minute and a half of compiling per graph on 2 CPU cores",
+    )
+    p.add_argument(
         "--allow-pickle",
         action="store_true",
         help="allow loading a pytorch_model.bin draft (weights_only unpickling)",
@@ -56,7 +62,7 @@ def settings_from_args(args: argparse.Namespace, **extra):
     names = (
         "target", "draft", "max_new_tokens", "temperature", "top_k", "top_p", "topk", "depth",
         "num_draft_tokens", "dtype", "device", "threads", "seed", "allow_pickle", "chat_template",
-        "fast_numerics",
+        "fast_numerics", "compile",
     )  # fmt: skip
     return Settings(**{n: getattr(args, n) for n in names}, **extra)
 

@@ -239,8 +239,19 @@ class BaselineDecoder:
     margin = 1  # cache slots a step needs beyond the sequence
     aux_ids: tuple[int, ...] = ()  # target hidden states the prefill must also return
 
-    def __init__(self, model: Transformer, tokenizer, max_seq_len: int | None = None):
+    def __init__(
+        self,
+        model: Transformer,
+        tokenizer,
+        max_seq_len: int | None = None,
+        forward: Callable[..., tuple[torch.Tensor, torch.Tensor | None]] | None = None,
+    ):
         self.model = model
+        # the target's decode steps and tree verification: `model` or `compiled(model)`;
+        # prompts run through `model` (their lengths vary, compiling each costs more)
+        self.forward = forward or model
+        if forward is not None:  # compiled, a lone token runs as a pair of rows
+            self.margin = max(self.margin, 2)
         self.tokenizer = tokenizer  # None: token ids only, no text
         self.eos_ids = eos_token_ids(tokenizer) if tokenizer is not None else set()
         context = model.args.max_seq_len
@@ -329,10 +340,12 @@ class BaselineDecoder:
     def _decode(self, token, aux, reuse, stop, accepted, sampling, generator) -> None:
         """Generate after the first token until `stop` says so; one entry per step in `accepted`."""
         while True:
-            if self.target_len + 1 > self.model.cache_len:
+            if self.target_len + self.margin > self.model.cache_len:
                 return stop.give_up("context")
             pos = torch.tensor([self.target_len], device=self.model.device)
-            logits, _ = self.model(torch.tensor([[token]], device=pos.device), pos, self.target_len)
+            logits, _ = self.forward(
+                torch.tensor([[token]], device=pos.device), pos, self.target_len
+            )
             self.target_len += 1
             accepted.append(0)
             token = self._choose(logits[0, -1], sampling, generator)
@@ -361,6 +374,7 @@ class SpeculativeDecoder(BaselineDecoder):
         num_draft_tokens: int = 16,
         max_seq_len: int | None = None,
         cuda_graphs: bool = True,
+        forward: Callable[..., tuple[torch.Tensor, torch.Tensor | None]] | None = None,
     ):
         from eagletools.draft import DraftKVCache
 
@@ -368,7 +382,7 @@ class SpeculativeDecoder(BaselineDecoder):
         check_tree_shape(topk, depth, num_draft_tokens)
         self.topk, self.depth, self.num_draft_tokens = topk, depth, num_draft_tokens
         self.margin = num_draft_tokens + 1
-        super().__init__(model, tokenizer, max_seq_len)
+        super().__init__(model, tokenizer, max_seq_len, forward)
         self.draft = pack_linears(draft.to(model.dtype).eval())
         self.aux_ids = tuple(draft.config.aux_layer_ids)
         self.tree_slots = max_tree_nodes(topk, depth)
@@ -405,7 +419,7 @@ class SpeculativeDecoder(BaselineDecoder):
 
     def _verify_forward(self, tokens, positions, start, mask):
         """The target over the tree: (logits [1,N,V], aux [1,N,A*H])."""
-        return self.model(tokens, positions, start, mask, self.aux_ids)
+        return self.forward(tokens, positions, start, mask, self.aux_ids)
 
     def _refresh(self, aux: torch.Tensor, tokens: torch.Tensor, start: int | torch.Tensor):
         """Draft entries `start..` from the target's aux [n, A*H] and the next tokens [n]:

@@ -19,6 +19,7 @@ import torch
 
 from eagletools.data.chat import chat_ids, set_chat_template
 from eagletools.decode import BaselineDecoder, Result, Sampling, SpeculativeDecoder, Transformer
+from eagletools.decode.model import compiled
 from eagletools.devices import resolve_device
 from eagletools.dtypes import dtype_name, parse_dtype
 from eagletools.errors import UserError
@@ -67,6 +68,7 @@ class Settings:
     device: str = "auto"  # resolved on construction: auto is CUDA where torch sees it, else CPU
     chat_template: str | None = None  # a Jinja file or text, for tokenizers without one
     fast_numerics: bool = False  # fp32 attention reductions (Transformer.set_exact(False))
+    compile: bool = False  # the target's decode and verify forwards by inductor (`compiled`)
     engine: str = "ours"  # or a serving engine (eagletools.engines): vllm, llama.cpp
     engine_port: int | None = None  # a free one is chosen when busy or unset
     engine_timeout: float = 900.0  # seconds a server may take to become ready
@@ -84,6 +86,7 @@ class Settings:
 class Decoders:
     target: object  # eagletools.target.Target
     runtime: Transformer
+    forward: Callable  # the runtime's decode and verify forward: itself or `compiled(runtime)`
     baseline: BaselineDecoder
     speculative: SpeculativeDecoder | None
 
@@ -98,14 +101,16 @@ def load_decoders(s: Settings) -> Decoders:
     set_chat_template(target.tokenizer, s.chat_template)
     runtime = Transformer.from_hf(target.model, dtype)
     runtime.set_exact(not s.fast_numerics)
-    baseline = BaselineDecoder(runtime, target.tokenizer)
+    forward = compiled(runtime) if s.compile else runtime
+    baseline = BaselineDecoder(runtime, target.tokenizer, forward=forward)
     spec = None
     if s.draft:
         draft = load_any_draft(s.draft, target, dtype, s.device, s.allow_pickle)
         spec = SpeculativeDecoder(
-            runtime, draft, target.tokenizer, s.topk, s.depth, s.num_draft_tokens
-        )
-    return Decoders(target, runtime, baseline, spec)
+            runtime, draft, target.tokenizer, s.topk, s.depth, s.num_draft_tokens,
+            forward=forward,
+        )  # fmt: skip
+    return Decoders(target, runtime, forward, baseline, spec)
 
 
 def load_any_draft(spec: str, target, dtype, device, allow_pickle: bool = False):
@@ -283,7 +288,9 @@ def autotune(decoders: Decoders, s: Settings, questions: list[Question]) -> dict
     sample = [Question(q.id, q.category, q.turns[:1]) for q in questions[: s.autotune_prompts]]
     trials = []
     for topk, depth, n in AUTOTUNE_GRID:
-        decoder = SpeculativeDecoder(decoders.runtime, draft, tokenizer, topk, depth, n)
+        decoder = SpeculativeDecoder(
+            decoders.runtime, draft, tokenizer, topk, depth, n, forward=decoders.forward
+        )
         gen = torch.Generator(device=s.device).manual_seed(s.seed)
         runs = [_run(_ours(decoder, s, gen), tokenizer, q) for q in sample]
         tokens = sum(r.num_tokens for r in runs)
@@ -301,8 +308,9 @@ def autotune(decoders: Decoders, s: Settings, questions: list[Question]) -> dict
     best = max(trials, key=lambda t: t["tokens_per_s"])
     s.topk, s.depth, s.num_draft_tokens = best["topk"], best["depth"], best["num_draft_tokens"]
     decoders.speculative = SpeculativeDecoder(
-        decoders.runtime, draft, tokenizer, s.topk, s.depth, s.num_draft_tokens
-    )
+        decoders.runtime, draft, tokenizer, s.topk, s.depth, s.num_draft_tokens,
+        forward=decoders.forward,
+    )  # fmt: skip
     return {"prompts": len(sample), "trials": trials, "best": best}
 
 

@@ -1,0 +1,83 @@
+"""The compiled target forward (`decode.model.compiled`): what it computes, and that
+compiled speculative decoding still equals compiled plain decoding in bf16.
+
+Inductor compiles each graph once per process (tens of seconds here), so the
+module shares one runtime per dtype.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_model
+from test_decode_engine import repeat_draft
+from test_decode_exact import path_mismatches
+
+from eagletools.decode import BaselineDecoder, SpeculativeDecoder, Transformer
+from eagletools.decode.model import compiled
+
+
+def smollm2_shaped():
+    """SmolLM2-135M's layer shapes (576 wide, 9 heads on 3 KV heads of 64, MLP 1536) in
+    2 layers: at these widths oneDNN's one-row kernel rounds apart (`cpu_ops`)."""
+    return tiny_model(
+        "llama",
+        seed=0,
+        hidden_size=576,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        num_hidden_layers=2,
+        intermediate_size=1536,
+        max_position_embeddings=1024,
+    )
+
+
+@pytest.fixture(scope="module")
+def bf16():
+    model = smollm2_shaped()
+    runtime = Transformer.from_hf(model, torch.bfloat16)
+    runtime.set_exact(True)
+    return model, runtime, compiled(runtime)
+
+
+@torch.inference_mode()
+def test_compiled_steps_follow_the_eager_ones_through_the_cache():
+    """Several decode steps in fp32: the compiled forward writes and reads the KV
+    cache (not frozen into the graph with the weights) as the eager one does."""
+    runtime = Transformer.from_hf(smollm2_shaped(), torch.float32)
+    forward = compiled(runtime)
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, 256, (1, 30), generator=g)
+    steps = torch.randint(0, 256, (6,), generator=g)
+    logits = {}
+    for name, fn in (("eager", runtime), ("compiled", forward)):
+        runtime.setup_caches(1, 64)
+        runtime(prompt, torch.arange(30), 0)
+        logits[name] = torch.stack(
+            [
+                fn(t.view(1, 1), torch.tensor([30 + i]), 30 + i)[0][0, -1]
+                for i, t in enumerate(steps)
+            ]
+        )
+    torch.testing.assert_close(logits["compiled"], logits["eager"], rtol=1e-4, atol=1e-4)
+
+
+@torch.inference_mode()
+def test_compiled_tree_verify_equals_compiled_one_token_decoding_in_bf16(bf16):
+    _, runtime, forward = bf16
+    assert path_mismatches(runtime, seed=3, trials=8, forward=forward) == 0
+
+
+@torch.inference_mode()
+def test_compiled_speculative_decoding_equals_compiled_plain_decoding_in_bf16(bf16):
+    model, runtime, forward = bf16
+    draft = repeat_draft(model)  # accepted where the target repeats itself
+    prompts = [list(range(10, 40)), [5, 9, 200, 17, 3, 250]]
+    plain = BaselineDecoder(runtime, None, forward=forward)
+    spec = SpeculativeDecoder(runtime, draft, None, 2, 3, 6, forward=forward)
+    for prompt in prompts:
+        expected = plain.generate(prompt, 48)
+        got = spec.generate(prompt, 48)
+        assert got.tokens == expected.tokens
+    assert got.tau > 1.25  # the tree paths, compaction and refresh ran
