@@ -192,7 +192,8 @@ def main() -> None:
     eos = decoders.baseline.eos_ids
     chain = SpeculativeDecoder(
         decoders.runtime, decoders.speculative.draft, tokenizer,
-        1, args.chain_depth, args.chain_depth + 1, forward=decoders.forward,
+        1, args.chain_depth, args.chain_depth + 1,
+        forward=decoders.forward, draft_decode=decoders.draft_decode,
     )  # fmt: skip
     methods: dict[str, Method] = {
         "HF generate (greedy)": hugging_face(target.model, eos, args.max_new_tokens),
@@ -224,7 +225,11 @@ def main() -> None:
         )
     questions = load_benchmark("mt-bench", args.num_prompts)
     prompts = first_turns(tokenizer, args.num_prompts)
-    for generate in methods.values():  # warm-up: first-call allocation is not timed
+    # one KV cache for every prompt (a compiled step compiles again when it grows), then
+    # a warm-up: neither allocation nor compilation is timed
+    margin = max(n_draft, args.chain_depth + 1) + 1
+    decoders.runtime.reserve(max(map(len, prompts)) + args.max_new_tokens + margin)
+    for generate in methods.values():
         generate(prompts[0][:32])
     load_start = machine()["load_average_at_start"]
     records = {name: [] for name in methods}

@@ -94,6 +94,7 @@ def stages(config: TrainConfig, out: Path) -> list[Stage]:
                 num_draft_tokens=e.num_draft_tokens,
                 autotune=e.autotune,
                 hf_baseline=e.hf_baseline,
+                compile=e.compile,
                 dtype=config.target.dtype,
                 threads=config.training.num_threads,
                 device=device,

@@ -1,5 +1,6 @@
-"""The compiled target forward (`decode.model.compiled`): what it computes, and that
-compiled speculative decoding still equals compiled plain decoding in bf16.
+"""The compiled target forward (`decode.model.compiled`) and draft step
+(`draft.model.compiled_decode`): what they compute, and that compiled speculative
+decoding still equals compiled plain decoding in bf16.
 
 Inductor compiles each graph once per process (tens of seconds here), so the
 module shares one runtime per dtype.
@@ -15,6 +16,7 @@ from test_decode_exact import path_mismatches
 
 from eagletools.decode import BaselineDecoder, SpeculativeDecoder, Transformer
 from eagletools.decode.model import compiled
+from eagletools.draft.model import compiled_decode
 
 
 def smollm2_shaped():
@@ -75,7 +77,9 @@ def test_compiled_speculative_decoding_equals_compiled_plain_decoding_in_bf16(bf
     draft = repeat_draft(model)  # accepted where the target repeats itself
     prompts = [list(range(10, 40)), [5, 9, 200, 17, 3, 250]]
     plain = BaselineDecoder(runtime, None, forward=forward)
-    spec = SpeculativeDecoder(runtime, draft, None, 2, 3, 6, forward=forward)
+    spec = SpeculativeDecoder(
+        runtime, draft, None, 2, 3, 6, forward=forward, draft_decode=compiled_decode(draft)
+    )
     for prompt in prompts:
         expected = plain.generate(prompt, 48)
         got = spec.generate(prompt, 48)

@@ -126,6 +126,22 @@ def test_eval_command_end_to_end(tiny_target, tmp_path, capsys):
     assert "| all | 2 |" in capsys.readouterr().out
 
 
+def test_compiled_eval_is_lossless_and_says_so(tiny_target, tmp_path):
+    """`--compile` in bf16: both decoders run compiled steps, so their outputs match
+    (a two-turn question: the second turn reuses the cache the first one filled)."""
+    bench = tmp_path / "bench.jsonl"
+    bench.write_text(json.dumps({"turns": ["hello there", "and again"]}) + "\n")
+    out = tmp_path / "out"
+    args = ["eval", "--target", str(tiny_target), "--draft", "random:1", "--bench", str(bench)]
+    args += ["--max-new-tokens", "24", "--no-progress", "--compile", "--output-dir", str(out)]
+    args += ["--topk", "2", "--depth", "3", "--num-draft-tokens", "6"]
+    assert main(args) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["settings"]["compile"] and results["settings"]["dtype"] == "bfloat16"
+    assert results["summary"]["greedy_match_rate"] == 1.0
+    assert "steps compiled (inductor)" in (out / "results.md").read_text()
+
+
 def test_autotune_picks_the_fastest_shape(tiny_target):
     from eagletools.eval.runner import AUTOTUNE_GRID, Settings, run_eval
 

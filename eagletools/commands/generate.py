@@ -42,8 +42,8 @@ def add_decoding_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--compile",
         action="store_true",
-        help="compile the target's decode and verify forwards with torch.compile (inductor): "
-        "faster steps after about a minute and a half of compiling per graph on 2 CPU cores",
+        help="compile the target's and the draft's decoding steps with torch.compile "
+        "(inductor, weights frozen): faster steps after about a minute of compiling per shape",
     )
     p.add_argument(
         "--allow-pickle",

@@ -375,6 +375,7 @@ class SpeculativeDecoder(BaselineDecoder):
         max_seq_len: int | None = None,
         cuda_graphs: bool = True,
         forward: Callable[..., tuple[torch.Tensor, torch.Tensor | None]] | None = None,
+        draft_decode: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
     ):
         from eagletools.draft import DraftKVCache
 
@@ -385,6 +386,7 @@ class SpeculativeDecoder(BaselineDecoder):
         super().__init__(model, tokenizer, max_seq_len, forward)
         self.draft = pack_linears(draft.to(model.dtype).eval())
         self.aux_ids = tuple(draft.config.aux_layer_ids)
+        self.draft_decode = draft_decode or self.draft.decode  # or `compiled_decode(draft)`
         self.tree_slots = max_tree_nodes(topk, depth)
         self.path_rows = min(num_draft_tokens, depth + 1)  # most nodes a path holds, root too
         self.cache = DraftKVCache.allocate(
@@ -432,7 +434,7 @@ class SpeculativeDecoder(BaselineDecoder):
             mask = cache_mask(start, n, self.cache.k.shape[2])
         else:
             mask = extend_mask(start, n, device=tokens.device)
-        logits, h = self.draft.decode(hidden, tokens[None], slots, self.cache, slots, mask)
+        logits, h = self.draft_decode(hidden, tokens[None], slots, self.cache, slots, mask)
         return logits[0], h[0]
 
     def _draft_step(self, j: int, tokens, hidden, rows):
@@ -441,7 +443,7 @@ class SpeculativeDecoder(BaselineDecoder):
         slots = torch.arange(base + (j - 1) * k, base + j * k, device=tokens.device)
         positions = torch.full((k,), base + j - 1, device=tokens.device)
         mask = torch.cat([rows.new_ones(k, base), rows], dim=1)
-        logits, h = self.draft.decode(
+        logits, h = self.draft_decode(
             hidden[None], tokens[None], positions, self.cache, slots, mask
         )
         return logits[0], h[0]

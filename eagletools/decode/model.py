@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eagletools import kernels
+from eagletools.compiling import compile_frozen
 from eagletools.cpu_ops import PackedLinear
 from eagletools.draft.model import RMSNorm, meta_device
 from eagletools.errors import UserError
@@ -493,33 +494,23 @@ def compiled(model: Transformer) -> Callable[..., tuple[torch.Tensor, torch.Tens
     Compiled and eager results differ in bf16 (fusion skips roundings);
     compiled speculative decoding equals compiled plain decoding (tests).
 
-    `start` is dynamic from the first call (a graph specialised to the first
-    value would compute that step with other kernels); each row count (a
-    token, each tree size) and each KV cache allocation gets its own graph,
-    about a minute to compile on 2 CPU cores. A graph dynamic in the row
-    count too ran slower (33 against 24.7 ms a token: its linears and
-    attention lose their fixed sizes). Freezing is set around each call, not in
-    `options`, whence it did not reach the CPU's weight packing.
+    `start` is dynamic from the first call; each row count (a token, each tree
+    size) and each KV cache allocation gets its own graph, about a minute to
+    compile on 2 CPU cores. A graph dynamic in the row count too ran slower
+    (33 against 24.7 ms a token: its linears and attention lose their sizes).
     """
-    import torch._dynamo.config as dynamo_config
-    import torch._inductor.config as inductor_config
 
     def step(input_ids, positions, start, tree_mask, aux_layer_ids):
         return model(input_ids, positions, start, tree_mask, aux_layer_ids)
 
-    step = torch.compile(step)
+    step = compile_frozen(step, "L['start']")
 
     def forward(input_ids, positions, start, tree_mask=None, aux_layer_ids=()):
         lone = input_ids.shape[1] == 1 and tree_mask is None
         if lone:
             input_ids, positions = input_ids.expand(-1, 2), positions.expand(2)
             tree_mask = causal(2, input_ids.device)
-        with (
-            inductor_config.patch(freezing=True),
-            torch.compiler.config.patch(dynamic_sources="L['start']"),
-            dynamo_config.patch(recompile_limit=64),  # a graph per row count and cache
-        ):
-            logits, aux = step(input_ids, positions, start, tree_mask, tuple(aux_layer_ids))
+        logits, aux = step(input_ids, positions, start, tree_mask, tuple(aux_layer_ids))
         if lone:
             return logits[:, :1], None if aux is None else aux[:, :1]
         return logits, aux

@@ -21,6 +21,7 @@ from eagletools.data.chat import chat_ids, set_chat_template
 from eagletools.decode import BaselineDecoder, Result, Sampling, SpeculativeDecoder, Transformer
 from eagletools.decode.model import compiled
 from eagletools.devices import resolve_device
+from eagletools.draft.model import compiled_decode
 from eagletools.dtypes import dtype_name, parse_dtype
 from eagletools.errors import UserError
 from eagletools.eval.benchmarks import Question
@@ -68,7 +69,7 @@ class Settings:
     device: str = "auto"  # resolved on construction: auto is CUDA where torch sees it, else CPU
     chat_template: str | None = None  # a Jinja file or text, for tokenizers without one
     fast_numerics: bool = False  # fp32 attention reductions (Transformer.set_exact(False))
-    compile: bool = False  # the target's decode and verify forwards by inductor (`compiled`)
+    compile: bool = False  # decoding steps by inductor (`compiled`, `compiled_decode`)
     engine: str = "ours"  # or a serving engine (eagletools.engines): vllm, llama.cpp
     engine_port: int | None = None  # a free one is chosen when busy or unset
     engine_timeout: float = 900.0  # seconds a server may take to become ready
@@ -87,6 +88,7 @@ class Decoders:
     target: object  # eagletools.target.Target
     runtime: Transformer
     forward: Callable  # the runtime's decode and verify forward: itself or `compiled(runtime)`
+    draft_decode: Callable | None  # the draft's: its `decode` or `compiled_decode(draft)`
     baseline: BaselineDecoder
     speculative: SpeculativeDecoder | None
 
@@ -103,14 +105,15 @@ def load_decoders(s: Settings) -> Decoders:
     runtime.set_exact(not s.fast_numerics)
     forward = compiled(runtime) if s.compile else runtime
     baseline = BaselineDecoder(runtime, target.tokenizer, forward=forward)
-    spec = None
+    spec = draft_decode = None
     if s.draft:
         draft = load_any_draft(s.draft, target, dtype, s.device, s.allow_pickle)
+        draft_decode = compiled_decode(draft) if s.compile else None
         spec = SpeculativeDecoder(
             runtime, draft, target.tokenizer, s.topk, s.depth, s.num_draft_tokens,
-            forward=forward,
+            forward=forward, draft_decode=draft_decode,
         )  # fmt: skip
-    return Decoders(target, runtime, forward, baseline, spec)
+    return Decoders(target, runtime, forward, draft_decode, baseline, spec)
 
 
 def load_any_draft(spec: str, target, dtype, device, allow_pickle: bool = False):
@@ -289,8 +292,9 @@ def autotune(decoders: Decoders, s: Settings, questions: list[Question]) -> dict
     trials = []
     for topk, depth, n in AUTOTUNE_GRID:
         decoder = SpeculativeDecoder(
-            decoders.runtime, draft, tokenizer, topk, depth, n, forward=decoders.forward
-        )
+            decoders.runtime, draft, tokenizer, topk, depth, n,
+            forward=decoders.forward, draft_decode=decoders.draft_decode,
+        )  # fmt: skip
         gen = torch.Generator(device=s.device).manual_seed(s.seed)
         runs = [_run(_ours(decoder, s, gen), tokenizer, q) for q in sample]
         tokens = sum(r.num_tokens for r in runs)
@@ -309,7 +313,7 @@ def autotune(decoders: Decoders, s: Settings, questions: list[Question]) -> dict
     s.topk, s.depth, s.num_draft_tokens = best["topk"], best["depth"], best["num_draft_tokens"]
     decoders.speculative = SpeculativeDecoder(
         decoders.runtime, draft, tokenizer, s.topk, s.depth, s.num_draft_tokens,
-        forward=decoders.forward,
+        forward=decoders.forward, draft_decode=decoders.draft_decode,
     )  # fmt: skip
     return {"prompts": len(sample), "trials": trials, "best": best}
 
@@ -345,7 +349,7 @@ def run_eval(
         if decoders.speculative is None:
             raise UserError("--autotune needs --draft: it searches the speculative tree shape")
         tuned = autotune(decoders, s, questions)
-    _warm_up(decoders, s)
+    _warm_up(decoders, s, questions)
     generator = torch.Generator(device=s.device).manual_seed(s.seed)
     records = []
     for question in tqdm(questions, desc="eval", unit="prompt", disable=not progress):
@@ -362,9 +366,18 @@ def run_eval(
     }
 
 
-def _warm_up(decoders: Decoders, s: Settings) -> None:
-    """One short run each, so first-call allocation is not timed."""
-    ids = chat_ids(decoders.target.tokenizer, [{"role": "user", "content": "Hello"}])
+def _warm_up(decoders: Decoders, s: Settings, questions: list[Question]) -> None:
+    """A KV cache for the longest conversation, then one short run each, so neither
+    allocation nor compilation is timed: a compiled step (`--compile`) and a captured
+    CUDA graph are made again for every cache allocation."""
+    tokenizer = decoders.target.tokenizer
+    longest = max(
+        len(chat_ids(tokenizer, [{"role": "user", "content": t} for t in q.turns]))
+        + len(q.turns) * (s.max_new_tokens + 16)  # each reply and its template
+        for q in questions
+    )
+    decoders.runtime.reserve(longest + s.num_draft_tokens + 1)
+    ids = chat_ids(tokenizer, [{"role": "user", "content": "Hello"}])
     for decoder in (decoders.baseline, decoders.speculative):
         if decoder is not None:
             decoder.generate(ids, 8, s.sampling)

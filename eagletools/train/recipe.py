@@ -151,6 +151,7 @@ class EvalSection:
     num_draft_tokens: int = 16
     autotune: bool = False
     hf_baseline: bool = True  # also time Hugging Face generate
+    compile: bool = False  # decoding steps by inductor: faster, after a minute per shape
     device: str = "auto"  # auto: CUDA where torch sees it, else CPU; or cpu, cuda, cuda:N
     # serving engines that also run the draft on the first benchmark, where installed
     # (make engine-vllm / engine-llamacpp): vllm, llama.cpp

@@ -1,0 +1,34 @@
+"""torch.compile for decoding steps: the weights frozen, the inputs that vary from
+step to step dynamic from the first call."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+def compile_frozen(fn: Callable, dynamic_sources: str) -> Callable:
+    """`fn` compiled by inductor with the weights it reads frozen (on CPU packed once for
+    oneDNN) and `dynamic_sources` (its parameters, as `L['name']` or `L['name']:dim`,
+    comma-separated) symbolic from the first call.
+
+    Dynamic from the first call: a graph specialised to the first call's values
+    would run that call with other kernels than the next ones. Both settings are
+    applied around each call, not in `torch.compile`'s `options`, whence freezing
+    did not reach the CPU's weight packing (29.9 against 21.5 ms per SmolLM2 token).
+    """
+    import torch._dynamo.config as dynamo_config
+    import torch._inductor.config as inductor_config
+
+    compiled = torch.compile(fn)
+
+    def call(*args):
+        with (
+            inductor_config.patch(freezing=True),
+            torch.compiler.config.patch(dynamic_sources=dynamic_sources),
+            dynamo_config.patch(recompile_limit=64),  # a graph per shape and cache
+        ):
+            return compiled(*args)
+
+    return call
