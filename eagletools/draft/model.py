@@ -301,6 +301,8 @@ class Eagle3Draft(nn.Module):
         degrees away from training's by position 100, 80 by position 1000
         (SmolLM2's RoPE).
         """
+        if torch.compiler.is_compiling() and self._decode_weights is not None:
+            return self._decode_weights  # compiled steps freeze the weights anyway
         attn, mlp = self.midlayer.self_attn, self.midlayer.mlp
         parts = (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj)
         source = tuple(_identity(p.weight) for p in parts)
@@ -385,4 +387,10 @@ def compiled_decode(draft: Eagle3Draft) -> Callable[..., tuple[torch.Tensor, tor
         return draft.decode(hidden, input_ids, positions, cache, slots, mask)
 
     dynamic = "L['hidden'],L['input_ids'],L['positions'],L['slots'],L['mask']"
-    return compile_frozen(decode, dynamic)
+    step = compile_frozen(decode, dynamic)
+
+    def call(*args):
+        draft.decode_weights()  # remade eagerly if a weight changed; the step reads it
+        return step(*args)
+
+    return call
