@@ -193,7 +193,8 @@ def main() -> None:
     chain = SpeculativeDecoder(
         decoders.runtime, decoders.speculative.draft, tokenizer,
         1, args.chain_depth, args.chain_depth + 1,
-        forward=decoders.forward, draft_decode=decoders.draft_decode,
+        forward=decoders.speculative.forward,
+        draft_decode=decoders.speculative.draft_decode,
     )  # fmt: skip
     methods: dict[str, Method] = {
         "HF generate (greedy)": hugging_face(target.model, eos, args.max_new_tokens),

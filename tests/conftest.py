@@ -60,6 +60,21 @@ def family(request) -> str:
     return request.param
 
 
+def smollm2_shaped(**overrides):
+    """SmolLM2-135M's layer shapes (576 wide, 9 heads on 3 KV heads of 64, MLP 1536) in
+    2 layers: at these widths oneDNN's one-row kernel rounds apart (`cpu_ops`)."""
+    fields = dict(
+        hidden_size=576,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        num_hidden_layers=2,
+        intermediate_size=1536,
+        max_position_embeddings=1024,
+    )
+    return tiny_model("llama", seed=0, **(fields | overrides))
+
+
 def tiny_draft_config(**overrides):
     """A small draft config sized like the tiny targets (hidden 64, vocab 256)."""
     from eagletools.draft import DraftConfig

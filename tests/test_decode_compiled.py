@@ -10,29 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import smollm2_shaped
 from test_decode_engine import repeat_draft
 from test_decode_exact import path_mismatches
 
 from eagletools.decode import BaselineDecoder, SpeculativeDecoder, Transformer
 from eagletools.decode.model import compiled
 from eagletools.draft.model import compiled_decode
-
-
-def smollm2_shaped():
-    """SmolLM2-135M's layer shapes (576 wide, 9 heads on 3 KV heads of 64, MLP 1536) in
-    2 layers: at these widths oneDNN's one-row kernel rounds apart (`cpu_ops`)."""
-    return tiny_model(
-        "llama",
-        seed=0,
-        hidden_size=576,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        head_dim=64,
-        num_hidden_layers=2,
-        intermediate_size=1536,
-        max_position_embeddings=1024,
-    )
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import smollm2_shaped
 
 from eagletools.cpu_ops import PackedLinear
 from eagletools.decode.model import Transformer
@@ -16,17 +16,9 @@ from eagletools.decode.tree import ancestor_mask
 
 @pytest.fixture(scope="module")
 def runtime():
-    # SmolLM2's attention shape (head_dim 64, 3 query heads per KV head) in 2 layers
-    model = tiny_model(
-        "llama",
-        seed=0,
-        hidden_size=192,
-        num_attention_heads=3,
-        num_key_value_heads=1,
-        head_dim=64,
-        num_hidden_layers=2,
-        intermediate_size=256,
-        max_position_embeddings=1024,
+    # SmolLM2's attention shape (head_dim 64, 3 query heads per KV head), narrower
+    model = smollm2_shaped(
+        hidden_size=192, num_attention_heads=3, num_key_value_heads=1, intermediate_size=256
     )
     return Transformer.from_hf(model, torch.bfloat16)
 

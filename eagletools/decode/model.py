@@ -504,12 +504,13 @@ def compiled(model: Transformer) -> Callable[..., tuple[torch.Tensor, torch.Tens
         return model(input_ids, positions, start, tree_mask, aux_layer_ids)
 
     step = compile_frozen(step, "L['start']")
+    pair = causal(2, model.device)
 
     def forward(input_ids, positions, start, tree_mask=None, aux_layer_ids=()):
         lone = input_ids.shape[1] == 1 and tree_mask is None
         if lone:
             input_ids, positions = input_ids.expand(-1, 2), positions.expand(2)
-            tree_mask = causal(2, input_ids.device)
+            tree_mask = pair
         logits, aux = step(input_ids, positions, start, tree_mask, tuple(aux_layer_ids))
         if lone:
             return logits[:, :1], None if aux is None else aux[:, :1]

@@ -87,8 +87,6 @@ class Settings:
 class Decoders:
     target: object  # eagletools.target.Target
     runtime: Transformer
-    forward: Callable  # the runtime's decode and verify forward: itself or `compiled(runtime)`
-    draft_decode: Callable | None  # the draft's: its `decode` or `compiled_decode(draft)`
     baseline: BaselineDecoder
     speculative: SpeculativeDecoder | None
 
@@ -105,15 +103,14 @@ def load_decoders(s: Settings) -> Decoders:
     runtime.set_exact(not s.fast_numerics)
     forward = compiled(runtime) if s.compile else runtime
     baseline = BaselineDecoder(runtime, target.tokenizer, forward=forward)
-    spec = draft_decode = None
+    spec = None
     if s.draft:
         draft = load_any_draft(s.draft, target, dtype, s.device, s.allow_pickle)
-        draft_decode = compiled_decode(draft) if s.compile else None
         spec = SpeculativeDecoder(
             runtime, draft, target.tokenizer, s.topk, s.depth, s.num_draft_tokens,
-            forward=forward, draft_decode=draft_decode,
+            forward=forward, draft_decode=compiled_decode(draft) if s.compile else None,
         )  # fmt: skip
-    return Decoders(target, runtime, forward, draft_decode, baseline, spec)
+    return Decoders(target, runtime, baseline, spec)
 
 
 def load_any_draft(spec: str, target, dtype, device, allow_pickle: bool = False):
@@ -293,7 +290,7 @@ def autotune(decoders: Decoders, s: Settings, questions: list[Question]) -> dict
     for topk, depth, n in AUTOTUNE_GRID:
         decoder = SpeculativeDecoder(
             decoders.runtime, draft, tokenizer, topk, depth, n,
-            forward=decoders.forward, draft_decode=decoders.draft_decode,
+            forward=spec.forward, draft_decode=spec.draft_decode,
         )  # fmt: skip
         gen = torch.Generator(device=s.device).manual_seed(s.seed)
         runs = [_run(_ours(decoder, s, gen), tokenizer, q) for q in sample]
@@ -313,7 +310,7 @@ def autotune(decoders: Decoders, s: Settings, questions: list[Question]) -> dict
     s.topk, s.depth, s.num_draft_tokens = best["topk"], best["depth"], best["num_draft_tokens"]
     decoders.speculative = SpeculativeDecoder(
         decoders.runtime, draft, tokenizer, s.topk, s.depth, s.num_draft_tokens,
-        forward=decoders.forward, draft_decode=decoders.draft_decode,
+        forward=spec.forward, draft_decode=spec.draft_decode,
     )  # fmt: skip
     return {"prompts": len(sample), "trials": trials, "best": best}
 
