@@ -17,7 +17,7 @@ def test_defaults_follow_the_design_notes():
     c = load_config()
     assert c.training.ttt_steps == 7 and c.training.ttt_decay == 0.8
     assert c.training.lr == 1e-4 and c.training.betas == [0.9, 0.95]
-    assert c.training.grad_clip == 0.5 and c.training.precision == "bf16"
+    assert c.training.grad_clip == 0.5 and c.training.precision == "auto"
     assert c.data.max_length == 2048
 
 
@@ -56,7 +56,7 @@ def test_unknown_key_names_the_key_and_the_file(tmp_path):
         ("training.batch_size=2.5", "training.batch_size must be int"),
         ("training.batch_size=true", "training.batch_size must be int"),
         ("training.betas=0.9", "training.betas must be a list"),
-        ("training.precision=fp16", "training.precision must be bf16 or fp32"),
+        ("training.precision=fp16", "training.precision must be auto, bf16 or fp32"),
         ("tracking.report_to=mlflow", "tracking.report_to must be none, wandb or tensorboard"),
         ("training.optimizer=sgd", "training.optimizer must be adamw or muon"),
         ("training.teacher_argmax_weight=1.5", "training.teacher_argmax_weight must be in"),

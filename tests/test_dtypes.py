@@ -48,7 +48,7 @@ def test_recipe_unknown_dtype_names_file_and_field(tmp_path):
     with pytest.raises(UserError, match=rf"{recipe}: target.dtype: unknown dtype 'brainfloat'; "
                        r"known: bf16, bfloat16"):  # fmt: skip
         load_config(recipe)
-    with pytest.raises(UserError, match="training.precision must be bf16 or fp32"):
+    with pytest.raises(UserError, match="training.precision must be auto, bf16 or fp32"):
         load_config(overrides=["training.precision=fp16"])
 
 
@@ -73,3 +73,26 @@ def test_dtype_flags_take_both_spellings(argv, capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert "argument --dtype: unknown dtype 'bf17'; known: bf16, bfloat16, fp16" in err
+
+
+def test_training_precision_auto_is_the_devices_faster_matmul_dtype(tiny_target, monkeypatch):
+    from eagletools.devices import fast_matmul_dtype
+    from eagletools.train.recipe import load_config
+    from eagletools.train.trainer import _load_target, training_dtype
+
+    cpu = torch.device("cpu")
+    assert load_config().training.precision == "auto"
+    assert training_dtype("auto", cpu) is fast_matmul_dtype(cpu)
+    assert training_dtype("bf16", cpu) is torch.bfloat16
+    assert training_dtype("fp32", cpu) is torch.float32
+
+    # fp32 training runs the teacher in fp32 whatever target.dtype says; bf16 keeps target.dtype
+    def teacher_dtype(precision: str) -> torch.dtype:
+        config = load_config(overrides=[f"target.spec={tiny_target}", "target.dtype=bf16",
+                                        f"training.precision={precision}"])  # fmt: skip
+        return _load_target(config).model.dtype
+
+    assert teacher_dtype("fp32") is torch.float32 and teacher_dtype("bf16") is torch.bfloat16
+    for has_amx, want in ((False, torch.float32), (True, torch.bfloat16)):
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=has_amx: v)
+        assert teacher_dtype("auto") is want

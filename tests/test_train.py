@@ -107,6 +107,7 @@ def test_train_writes_final_eagle_checkpoint_and_metrics(tmp_path):
     out = tmp_path / "out"
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["steps"] == 8 and len(metrics["acc"]) == 4  # the held-out unroll
+    assert metrics["precision"] == "fp32"  # what training.precision resolved to
     assert 1.0 <= metrics["simulated_acceptance_length"] <= 5.0
     assert metrics["loss"] == pytest.approx(result["loss"])
     assert detect_format(out / "final") == "eagle"

@@ -117,7 +117,9 @@ class TrainingSection:
     max_steps: int | None = None  # optimizer steps; overrides num_epochs
     max_minutes: float | None = None  # stop after this much training time; the cosine
     # schedule then follows the larger of the step and the time progress
-    precision: str = "bf16"  # bf16 (autocast) | fp32 (either spelling: bfloat16, float32)
+    precision: str = "auto"  # bf16 (autocast) | fp32 (either spelling) | auto: the device's
+    # faster matmul dtype (bf16 on GPUs and CPUs with AMX, fp32 on other CPUs); fp32 also
+    # runs the teacher (the target while training) in fp32
     seed: int = 0
     bucket_size: int = 64  # batches are drawn from length-sorted buckets of this many batches
     eval_every: int = 200  # optimizer steps; 0: only at the end
@@ -174,8 +176,9 @@ class TrainConfig:
         torch's name in target.dtype, accelerate's in training.precision."""
         t = self.training
         self.target.dtype = dtype_name(self.target.dtype, f"{source}: target.dtype")
-        precision = dtype_name(t.precision, f"{source}: training.precision")
-        t.precision = {"bfloat16": "bf16", "float32": "fp32"}.get(precision, precision)
+        if t.precision != "auto":
+            precision = dtype_name(t.precision, f"{source}: training.precision")
+            t.precision = {"bfloat16": "bf16", "float32": "fp32"}.get(precision, precision)
         checks = [
             (t.ttt_steps >= 1, "training.ttt_steps", "must be at least 1"),
             (t.eval_ttt_steps >= 1, "training.eval_ttt_steps", "must be at least 1"),
@@ -219,7 +222,8 @@ class TrainConfig:
                 "training.warmup_steps",
                 "must be >= 0",
             ),
-            (t.precision in ("bf16", "fp32"), "training.precision", "must be bf16 or fp32"),
+            (t.precision in ("auto", "bf16", "fp32"), "training.precision",
+             "must be auto, bf16 or fp32"),
             (t.keep_last >= 1, "training.keep_last", "must be at least 1"),
             (t.max_bad_steps >= 1, "training.max_bad_steps", "must be at least 1"),
             (t.attn_chunk >= 1, "training.attn_chunk", "must be at least 1"),
