@@ -78,7 +78,7 @@ def test_dtype_flags_take_both_spellings(argv, capsys):
 def test_training_precision_auto_is_the_devices_faster_matmul_dtype(tiny_target, monkeypatch):
     from eagletools.devices import fast_matmul_dtype
     from eagletools.train.recipe import load_config
-    from eagletools.train.trainer import _load_target, training_dtype
+    from eagletools.train.trainer import load_teacher, training_dtype
 
     cpu = torch.device("cpu")
     assert load_config().training.precision == "auto"
@@ -90,7 +90,7 @@ def test_training_precision_auto_is_the_devices_faster_matmul_dtype(tiny_target,
     def teacher_dtype(precision: str) -> torch.dtype:
         config = load_config(overrides=[f"target.spec={tiny_target}", "target.dtype=bf16",
                                         f"training.precision={precision}"])  # fmt: skip
-        return _load_target(config).model.dtype
+        return load_teacher(config).model.dtype
 
     assert teacher_dtype("fp32") is torch.float32 and teacher_dtype("bf16") is torch.bfloat16
     for has_amx, want in ((False, torch.float32), (True, torch.bfloat16)):

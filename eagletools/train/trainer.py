@@ -79,7 +79,7 @@ def online_inputs(config: TrainConfig, target: Any = None, dataset: Any = None) 
     from eagletools.target import default_aux_layer_ids
 
     if target is None:
-        target = _load_target(config)
+        target = load_teacher(config)
     if dataset is None:
         d = config.data
         dataset = prepare_dataset(
@@ -691,7 +691,7 @@ def train(
             "tokenised dataset was passed: pass the conversations as data.train instead, "
             "or set data.regenerate.enabled=false"
         )
-    load = functools.cache(lambda: target or _load_target(config))  # only when a stage needs it
+    load = functools.cache(lambda: target or load_teacher(config))  # only when a stage needs it
     stages = []
     if regenerating:
         from eagletools.data.regenerate import is_regenerated
@@ -738,7 +738,7 @@ def training_dtype(precision: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if precision == "bf16" else torch.float32
 
 
-def _load_target(config: TrainConfig) -> Any:
+def load_teacher(config: TrainConfig) -> Any:
     """The teacher on this rank's device: in target.dtype, or fp32 when training computes in
     fp32 (there bf16 weights would only add casts, and slower matmuls where bf16 is slower)."""
     from eagletools.devices import resolve_device
