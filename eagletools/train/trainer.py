@@ -730,7 +730,7 @@ def _agreed(done: Callable[[Path], bool]) -> Callable[[Path], bool]:
 
 def training_dtype(precision: str, device: torch.device) -> torch.dtype:
     """training.precision as the dtype training computes in; `auto` picks the device's faster
-    matmuls (on a CPU without AMX, fp32 trained the demo at 1.5x bf16's tokens/s)."""
+    matmuls (on a CPU without AMX, fp32 trained the demo at 1.4x bf16's tokens/s)."""
     from eagletools.devices import fast_matmul_dtype
 
     if precision == "auto":
