@@ -286,7 +286,7 @@ def autotune(decoders: Decoders, s: Settings, questions: list[Question]) -> dict
     spec = decoders.speculative
     draft, tokenizer = spec.draft, decoders.target.tokenizer
     sample = [Question(q.id, q.category, q.turns[:1]) for q in questions[: s.autotune_prompts]]
-    trials = []
+    trials, tried = [], []
     for topk, depth, n in AUTOTUNE_GRID:
         decoder = SpeculativeDecoder(
             decoders.runtime, draft, tokenizer, topk, depth, n,
@@ -306,12 +306,10 @@ def autotune(decoders: Decoders, s: Settings, questions: list[Question]) -> dict
         }
         log.info("autotune %s", trial)
         trials.append(trial)
-    best = max(trials, key=lambda t: t["tokens_per_s"])
+        tried.append(decoder)
+    i = max(range(len(trials)), key=lambda j: trials[j]["tokens_per_s"])
+    best, decoders.speculative = trials[i], tried[i]  # the decoder it timed, not a new one
     s.topk, s.depth, s.num_draft_tokens = best["topk"], best["depth"], best["num_draft_tokens"]
-    decoders.speculative = SpeculativeDecoder(
-        decoders.runtime, draft, tokenizer, s.topk, s.depth, s.num_draft_tokens,
-        forward=spec.forward, draft_decode=spec.draft_decode,
-    )  # fmt: skip
     return {"prompts": len(sample), "trials": trials, "best": best}
 
 
