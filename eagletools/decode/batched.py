@@ -6,11 +6,15 @@ positions p..; RoPE attention depends only on distances, so that shift
 changes nothing but rounding, and each row's padding is masked out as keys.
 Rows that stop early keep stepping (their tokens are dropped) until every row
 is done: one forward per step for the whole batch.
+
+The same forwards can return hidden states at chosen layers: what the
+offline cache would otherwise compute in a second pass over the replies.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -19,6 +23,15 @@ from eagletools.decode.engine import Sampling
 from eagletools.decode.model import Transformer
 
 GREEDY = Sampling()
+
+
+@dataclass
+class Generated:
+    tokens: list[list[int]]  # each row's new tokens, up to and including its first EOS
+    # with `state_layer_ids`: each row's states [n, len(ids)*H] over its prompt and the
+    # new tokens the model read back; n is len(prompt) + len(tokens), or one less when
+    # the row's last token ended the loop before it was read
+    states: list[torch.Tensor] | None = None
 
 
 @torch.inference_mode()
@@ -30,8 +43,11 @@ def generate_batch(
     sampling: Sampling = GREEDY,
     pad_id: int = 0,
     generator: torch.Generator | None = None,
-) -> list[list[int]]:
-    """Continue each prompt (token ids) until EOS (kept) or `max_new_tokens`."""
+    state_layer_ids: Sequence[int] = (),
+) -> Generated:
+    """Continue each prompt (token ids) until EOS (kept) or `max_new_tokens`; with
+    `state_layer_ids` (HF indexing, as `Transformer.forward`), keep those hidden states
+    in bf16 on the way."""
     device = model.device
     b, width = len(prompts), max(len(p) for p in prompts)
     total = width + max_new_tokens
@@ -42,7 +58,9 @@ def generate_batch(
     for row, prompt in enumerate(prompts):
         ids[row, width - len(prompt) :] = torch.tensor(list(prompt), device=device)
         key_mask[row, : width - len(prompt)] = False
-    logits, _ = model(ids, torch.arange(width, device=device), 0, last_only=True, key_mask=key_mask)
+    logits, states = model(ids, torch.arange(width, device=device), 0, last_only=True,
+                           key_mask=key_mask, aux_layer_ids=state_layer_ids)  # fmt: skip
+    kept = [] if states is None else [states.to(torch.bfloat16)]
     eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=device)
     steps: list[torch.Tensor] = []
     done = torch.zeros(b, dtype=torch.bool, device=device)
@@ -58,8 +76,18 @@ def generate_batch(
             break
         pos = width + step
         positions = torch.tensor([pos], device=device)
-        logits, _ = model(tokens[:, None], positions, pos, key_mask=key_mask)
-    return [_cut_at_eos(row, eos_ids) for row in torch.stack(steps, dim=1).tolist()]
+        logits, states = model(tokens[:, None], positions, pos, key_mask=key_mask,
+                               aux_layer_ids=state_layer_ids)  # fmt: skip
+        if states is not None:
+            kept.append(states.to(torch.bfloat16))
+    tokens = [_cut_at_eos(row, eos_ids) for row in torch.stack(steps, dim=1).tolist()]
+    if not kept:
+        return Generated(tokens)
+    every = torch.cat(kept, dim=1).cpu()  # [B, width + steps read, A*H], one copy
+    return Generated(tokens, [
+        every[row, width - len(prompt) : width + len(new)].clone()
+        for row, (prompt, new) in enumerate(zip(prompts, tokens, strict=True))
+    ])  # fmt: skip
 
 
 def _cut_at_eos(tokens: list[int], eos_ids: set[int]) -> list[int]:
