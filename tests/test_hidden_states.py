@@ -151,3 +151,44 @@ def test_offline_in_one_command_builds_then_reuses_the_cache(tmp_path):
     resumed = tiny_config("data.offline=true", "target.spec=tiny-llama", "training.max_steps=3")
     with pytest.raises(UserError, match="another recipe"):
         train(resumed, tmp_path / "o", resume=True)
+
+
+def test_states_kept_while_regenerating_serve_the_cache(tmp_path):
+    """data.offline after data.regenerate: each sample takes the states the target computed
+    while it wrote the reply, and the reply's tokens as it wrote them; they equal a fresh
+    pass over those tokens."""
+    from conftest import tiny_model
+
+    from eagletools.data import prepare
+    from eagletools.data.captures import Captures
+    from eagletools.data.conversations import Message
+    from eagletools.data.regenerate import Sampling, local_generator, parts_dir, regenerate
+    from eagletools.target import Target, TargetInfo, load_tokenizer
+
+    tokenizer = load_tokenizer("smollm2-135m")
+    model = tiny_model("llama", vocab_size=len(tokenizer))
+    target = Target(model, tokenizer, TargetInfo.from_config(model.config, "tiny"))
+    conversations = [[Message("user", f"question {i} " * (1 + i % 4)), Message("assistant", "x")]
+                     for i in range(12)]  # fmt: skip
+    layers = [1, 2, 3]
+    generate = local_generator(target, Sampling(max_new_tokens=8), 5, capture_layer_ids=layers)
+    out = regenerate(conversations, generate, tmp_path / "r.jsonl", identity={}, chunk_size=6)
+    assert sorted(p.name for p in parts_dir(out).glob("*.safetensors")) == [
+        "part-00000.safetensors", "part-00001.safetensors"]  # fmt: skip
+    assert Captures.open(parts_dir(out), [1, 2, 4]) is None  # other layers: not used
+    dataset = prepare("tiny", out, 64, tokenizer=tokenizer, cache_dir=tmp_path / "p").dataset
+    write(target, dataset, tmp_path / "c", layer_ids=layers, captured=parts_dir(out))
+    cache = HiddenStateCache.open(tmp_path / "c")
+    replies = [json.loads(line)["messages"][1]["content"] for line in out.open()]
+    assert len(cache) == len(dataset) == 12
+    for i, sample in enumerate(dataset):
+        batch = cache.batch([i])
+        ids, mask = batch.input_ids[0].tolist(), batch.loss_mask[0].tolist()
+        start = mask.index(1)  # the prompt: the sample's own tokens
+        assert ids[:start] == sample["input_ids"][:start] and not any(mask[:start])
+        assert all(mask[start:]) and len(ids) > start + 1
+        assert tokenizer.decode(ids[start:], skip_special_tokens=True).strip() in replies[i]
+        ref = capture_aux(model, batch.input_ids, layer_ids=layers)
+        torch.testing.assert_close(batch.aux.float(), ref.aux, atol=3e-2, rtol=2e-2)
+        torch.testing.assert_close(batch.last_hidden.float(), ref.last_hidden,
+                                   atol=3e-2, rtol=2e-2)  # fmt: skip

@@ -23,6 +23,10 @@ def conv(*turns):
     return [Message(role, text) for role, text in turns]
 
 
+def chats(regenerated):
+    return [r.chat for r in regenerated]
+
+
 CONVERSATIONS = [
     conv(("system", "be brief"), ("user", "hi"), ("assistant", "old"), ("user", "more"),
          ("assistant", "old2")),
@@ -88,7 +92,7 @@ def test_segments_split_at_user_turns():
 
 
 def test_turn_by_turn_history_uses_regenerated_replies(server):
-    out = regenerate_chunk(CONVERSATIONS, server_generator(server.url, Sampling()))
+    out = chats(regenerate_chunk(CONVERSATIONS, server_generator(server.url, Sampling())))
     assert [m["content"] for m in out[2]] == [
         "a", "R(a)", "b", "R(a|R(a)|b)", "c", "R(a|R(a)|b|R(a|R(a)|b)|c)",
     ]  # fmt: skip
@@ -141,8 +145,8 @@ def test_local_target_replies_greedily(tmp_path, monkeypatch):
     model = tiny_model("llama", vocab_size=len(tokenizer))
     target = Target(model, tokenizer, TargetInfo.from_config(model.config, "tiny"))
     generate = local_generator(target, Sampling(max_new_tokens=4), batch_size=2)
-    first = regenerate_chunk(CONVERSATIONS, generate)
-    assert first == regenerate_chunk(CONVERSATIONS, generate)  # greedy: deterministic
+    first = chats(regenerate_chunk(CONVERSATIONS, generate))
+    assert first == chats(regenerate_chunk(CONVERSATIONS, generate))  # greedy: deterministic
     assert [sum(m["role"] == "assistant" for m in c) for c in first] == [2, 1, 3]
     assert all(m["content"] != "old" for c in first for m in c)
     # the runtime's left-padded batches reply as HF `generate` does one history at a time
@@ -152,11 +156,11 @@ def test_local_target_replies_greedily(tmp_path, monkeypatch):
         ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
         out = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
         hf = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
-        assert hf == generate([history])[0]
+        assert hf == generate([history])[0].text
     # architectures the runtime lacks fall back to HF `generate`, batched and left-padded
     monkeypatch.setattr("eagletools.decode.model.SUPPORTED", ())
     fallback = local_generator(target, Sampling(max_new_tokens=4), batch_size=2)
-    assert regenerate_chunk(CONVERSATIONS, fallback) == first
+    assert chats(regenerate_chunk(CONVERSATIONS, fallback)) == first
     declined = local_generator(target, Sampling(max_new_tokens=4), max_prompt_tokens=1)
     assert declined([[{"role": "user", "content": "hi"}]]) == [None]
 
@@ -173,3 +177,39 @@ def test_cli_regenerate_against_the_server(tmp_path, server, capsys):
     assert json.loads(out.read_text())["messages"][1] == {"role": "assistant", "content": "R(q)"}
     assert main(["data", "regenerate", "--data", str(data), "--output", str(out)]) == 2
     assert "exactly one of --target" in capsys.readouterr().err
+
+
+def test_cli_keeps_states_for_the_cache(tmp_path, caplog):
+    """`data regenerate --keep-states`, then `data hidden-states --captured`: the cache takes
+    the kept states; a server cannot keep any."""
+    import logging
+
+    from conftest import tiny_model
+
+    from eagletools.cli import main
+    from eagletools.data.hidden_states import HiddenStateCache
+    from eagletools.target import load_tokenizer
+
+    folder = tmp_path / "target"
+    tokenizer = load_tokenizer("smollm2-135m")
+    tiny_model("llama", vocab_size=len(tokenizer)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(
+        json.dumps({"messages": [{"role": "user", "content": f"question {i}"},
+                                 {"role": "assistant", "content": "old"}]}) + "\n"
+        for i in range(5)
+    ))  # fmt: skip
+    out = tmp_path / "r.jsonl"
+    common = ["--target", str(folder), "--aux-layer-ids", "1,2,3"]
+    assert main(["data", "regenerate", "--data", str(data), "--output", str(out),
+                 "--max-new-tokens", "6", "--keep-states", *common]) == 0  # fmt: skip
+    assert list((tmp_path / "r.jsonl.parts").glob("*.safetensors"))
+    with caplog.at_level(logging.INFO, logger="eagletools.data.hidden_states"):
+        assert main(["data", "hidden-states", "--data", str(out), "--max-length", "64",
+                     "--captured", str(tmp_path / "r.jsonl.parts"), "--dtype", "float32",
+                     "--output-dir", str(tmp_path / "hs"), *common]) == 0  # fmt: skip
+    assert "5 samples from the regeneration's captured states" in caplog.text
+    assert len(HiddenStateCache.open(tmp_path / "hs")) == 5
+    server = ["data", "regenerate", "--data", str(data), "--server", "http://x", "--output", "o"]
+    assert main([*server, "--keep-states"]) == 2

@@ -478,6 +478,17 @@ def test_regenerate_section_trains_on_the_targets_own_replies(tmp_path, offline)
     assert all([m["role"] for m in r["messages"]] == ["user", "assistant"] for r in regenerated)
     assert not any(r["messages"][1]["content"] == "a human answer" for r in regenerated)
     assert result["steps"] == 2 and result["mode"] == ("offline" if offline else "online")
+    # offline, the cache took the states regeneration kept, and their files are gone
+    parts = tmp_path / "o" / "regenerated.jsonl.parts"
+    assert not list(parts.glob("*.safetensors"))
+    if offline:
+        from eagletools.data.hidden_states import HiddenStateCache
+
+        cache = HiddenStateCache.open(tmp_path / "o" / "hidden-states")
+        first = cache.batch([0])
+        reply = first.input_ids[0, first.loss_mask[0].bool()].tolist()
+        text = tokenizer.decode(reply, skip_special_tokens=True).strip()
+        assert text and any(r["messages"][1]["content"].startswith(text) for r in regenerated)
     identity = trainer_mod._regeneration_identity(config)  # a rerun skips the stage, unless
     assert is_regenerated(tmp_path / "o" / "regenerated.jsonl", identity)  # settings differ
     assert not is_regenerated(tmp_path / "o" / "regenerated.jsonl", {**identity, "seed": 1})

@@ -98,25 +98,34 @@ def _register_hidden_states(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shard-size", type=int, default=256, help="samples per shard file")
     p.add_argument("--batch-tokens", type=int, default=8192, help="tokens per target forward")
     p.add_argument(
+        "--captured",
+        default=None,
+        help="the OUTPUT.parts folder of `data regenerate --keep-states` on this data: "
+        "its samples take the states kept there instead of a target pass",
+    )
+    p.add_argument(
         "--dtype", default="bfloat16", type=dtype_arg, help="target dtype (the cache is bf16)"
     )
     add_device_argument(p)
     p.set_defaults(func=_hidden_states)
 
 
+def _layer_ids(value: str | None) -> list[int] | None:
+    from eagletools.errors import UserError
+
+    try:
+        return [int(x) for x in value.split(",")] if value else None
+    except ValueError:
+        raise UserError(f"--aux-layer-ids {value!r}: give integers like 2,15,27") from None
+
+
 def _hidden_states(args: argparse.Namespace) -> int:
     from eagletools.data.hidden_states import HiddenStateCache, write_hidden_states
     from eagletools.devices import resolve_device
     from eagletools.dtypes import parse_dtype
-    from eagletools.errors import UserError
     from eagletools.target import load_target
 
-    try:
-        layer_ids = [int(x) for x in args.aux_layer_ids.split(",")] if args.aux_layer_ids else None
-    except ValueError:
-        raise UserError(
-            f"--aux-layer-ids {args.aux_layer_ids!r}: give integers like 2,15,27"
-        ) from None
+    layer_ids = _layer_ids(args.aux_layer_ids)
     # auto: under `accelerate launch`, each rank on its own GPU
     device = resolve_device(args.device)
     target = load_target(args.target, dtype=parse_dtype(args.dtype), device=device)
@@ -125,7 +134,7 @@ def _hidden_states(args: argparse.Namespace) -> int:
     root = write_hidden_states(
         target, prepared.dataset, args.output_dir, data_key=prepared.key,
         max_length=args.max_length, layer_ids=layer_ids, shard_size=args.shard_size,
-        batch_tokens=args.batch_tokens,
+        batch_tokens=args.batch_tokens, captured=args.captured,
     )  # fmt: skip
     if HiddenStateCache.is_complete(root):
         cache = HiddenStateCache.open(root)
@@ -167,6 +176,15 @@ def _register_regenerate(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="local target: end a conversation before a turn whose history is longer",
     )
+    p.add_argument(
+        "--keep-states",
+        action="store_true",
+        help="local target: keep the hidden states the target computes, beside each part, "
+        "for `data hidden-states --captured OUTPUT.parts` (as large as that cache)",
+    )
+    p.add_argument(
+        "--aux-layer-ids", default=None, help="with --keep-states: HF indices (default 2,N/2,N-3)"
+    )
     add_device_argument(p)
     add_chat_template_argument(p)
     p.set_defaults(func=_regenerate)
@@ -181,6 +199,8 @@ def _regenerate(args: argparse.Namespace) -> int:
 
     if bool(args.target) == bool(args.server):
         raise UserError("give exactly one of --target (local) or --server URL")
+    if args.server and args.keep_states:
+        raise UserError("--keep-states needs a local --target: a server returns only text")
     if args.server and args.chat_template:
         raise UserError("--chat-template is for a local --target; a --server renders with its own")
     sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p, args.seed)
@@ -196,7 +216,14 @@ def _regenerate(args: argparse.Namespace) -> int:
 
         target = load_target(args.target, device=resolve_device(args.device))
         set_chat_template(target.tokenizer, args.chat_template)
-        generate = local_generator(target, sampling, args.batch_size, args.max_prompt_tokens)
+        layers = ()
+        if args.keep_states:
+            from eagletools.target import default_aux_layer_ids
+
+            layers = _layer_ids(args.aux_layer_ids) or default_aux_layer_ids(target.info.num_layers)
+        generate = local_generator(
+            target, sampling, args.batch_size, args.max_prompt_tokens, layers
+        )
         backend = {"target": args.target, "chat_template": args.chat_template}
     if args.max_turns is not None and args.max_turns < 1:
         raise UserError(f"--max-turns must be at least 1, got {args.max_turns}")

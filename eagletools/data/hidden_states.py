@@ -29,6 +29,7 @@ import torch
 
 from eagletools.atomic import atomic_file, write_text
 from eagletools.data.batch import Batch, pad_right
+from eagletools.data.captures import Captures
 from eagletools.errors import UserError
 from eagletools.target.anatomy import decoder_layers, embed_tokens, final_norm, lm_head
 
@@ -95,11 +96,14 @@ def write_hidden_states(
     batch_tokens: int = 8192,
     rank: int | None = None,
     world_size: int | None = None,
+    captured: str | Path | None = None,
 ) -> Path:
     """Capture aux and last hidden states of every sample into `output_dir`.
 
     `rank`/`world_size` default to the RANK/WORLD_SIZE that `accelerate launch`
-    or torchrun set. Returns the cache folder; its manifest is complete once
+    or torchrun set. `captured`: a regeneration's parts folder; a sample whose
+    states it kept at these layers takes them (and the reply's tokens as the
+    target wrote them, `data.captures`) instead of a run through the target. Returns the cache folder; its manifest is complete once
     every shard of every rank exists.
     """
     from safetensors.torch import save_file
@@ -127,14 +131,23 @@ def write_hidden_states(
     todo = [k for k in mine if not shard_path(root, k).is_file()]
     if len(todo) < len(mine):
         log.info("rank %d: %d of %d shards already cached", rank, len(mine) - len(todo), len(mine))
-    model = target.model
+    captures = Captures.open(Path(captured), layer_ids) if captured else None
+    model, hidden = target.model, target.info.hidden_size
+    reused = 0
     for k in tqdm(todo, desc=f"hidden states (rank {rank})", unit="shard", disable=not todo):
         rows = dataset[k * shard_size : min((k + 1) * shard_size, n)]
         ids = [torch.as_tensor(x, dtype=torch.long) for x in rows["input_ids"]]
         masks = [torch.as_tensor(x, dtype=torch.int8) for x in rows["loss_mask"]]
         aux_rows: list[torch.Tensor] = [None] * len(ids)  # type: ignore[list-item]
         last_rows: list[torch.Tensor] = [None] * len(ids)  # type: ignore[list-item]
-        order = sorted(range(len(ids)), key=lambda i: -ids[i].numel())
+        for i, (sample, mask) in enumerate(zip(rows["input_ids"], rows["loss_mask"], strict=True)):
+            found = captures.lookup(list(sample), list(mask), max_length) if captures else None
+            if found is not None:  # the last reply as the target wrote it, with its states
+                ids[i], masks[i], states = found
+                aux_rows[i], last_rows[i] = states[:, :-hidden], states[:, -hidden:]
+                reused += 1
+        order = sorted((i for i in range(len(ids)) if aux_rows[i] is None),
+                       key=lambda i: -ids[i].numel())  # fmt: skip
         while order:
             width = ids[order[0]].numel()
             take = order[: max(1, batch_tokens // width)]
@@ -158,6 +171,9 @@ def write_hidden_states(
         shard_path(root, k).parent.mkdir(parents=True, exist_ok=True)
         with atomic_file(shard_path(root, k)) as tmp:
             save_file(tensors, str(tmp))
+    if captures is not None:
+        log.info("rank %d: %d samples from the regeneration's captured states, the rest "
+                 "through the target", rank, reused)  # fmt: skip
     _finish_manifest(root, identity, num_shards, shard_size, n)
     return root
 

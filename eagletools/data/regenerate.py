@@ -8,7 +8,9 @@ the parts are joined into `OUT` (JSONL, `messages: [{role, content}]`) at the en
 
 Two backends: a local target (HF `generate`, batched, left-padded) and any
 OpenAI-compatible server (`/v1/chat/completions`, as vLLM and SGLang serve)
-for targets too big for this machine.
+for targets too big for this machine. A local target in the decoding runtime
+can also keep the hidden states it computes on the way (`data.captures`):
+each part then has a `.safetensors` sibling the offline cache reads.
 """
 
 from __future__ import annotations
@@ -17,13 +19,14 @@ import json
 import logging
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from eagletools.atomic import atomic_file, write_text
+from eagletools.data.captures import Captured, write_captures
 from eagletools.data.chat import chat_ids, require_chat_template
 from eagletools.data.conversations import Conversation
 from eagletools.errors import UserError
@@ -31,8 +34,22 @@ from eagletools.errors import UserError
 log = logging.getLogger(__name__)
 
 Chat = list[dict[str, str]]  # OpenAI-style messages
+
+
+@dataclass
+class Reply:
+    text: str
+    captured: Captured | None = None  # the tokens and states behind it, when kept
+
+
 # a batch of histories -> one reply each; None: the history is too long, the conversation ends
-Generate = Callable[[list[Chat]], list[str | None]]
+Generate = Callable[[list[Chat]], list[Reply | None]]
+
+
+@dataclass
+class Regenerated:
+    chat: Chat
+    last: Reply  # the reply to the last user turn: its capture spans the whole conversation
 
 
 @dataclass
@@ -59,7 +76,7 @@ def segments(conversation: Conversation) -> list[Chat]:
 
 def regenerate_chunk(
     conversations: list[Conversation], generate: Generate, max_turns: int | None = None
-) -> list[Chat]:
+) -> list[Regenerated]:
     """Every conversation of the chunk, replies regenerated turn by turn (batched per turn).
 
     With `max_turns`, a conversation ends after that many user turns; it also
@@ -68,6 +85,7 @@ def regenerate_chunk(
     """
     parts = [segments(c)[:max_turns] for c in conversations]
     histories: list[Chat] = [[] for _ in conversations]
+    last: list[Reply | None] = [None] * len(conversations)
     for turn in range(max((len(p) for p in parts), default=0)):
         active = [i for i, p in enumerate(parts) if turn < len(p)]
         for i in active:
@@ -78,18 +96,24 @@ def regenerate_chunk(
                 del histories[i][len(histories[i]) - len(parts[i][turn]) :]
                 parts[i] = parts[i][:turn]
             else:
-                histories[i].append({"role": "assistant", "content": reply})
-    return [h for h in histories if any(m["role"] == "assistant" for m in h)]
+                histories[i].append({"role": "assistant", "content": reply.text})
+                last[i] = reply
+    return [Regenerated(h, r) for h, r in zip(histories, last, strict=True) if r is not None]
 
 
 def local_generator(
-    target: Any, sampling: Sampling, batch_size: int = 8, max_prompt_tokens: int | None = None
+    target: Any,
+    sampling: Sampling,
+    batch_size: int = 8,
+    max_prompt_tokens: int | None = None,
+    capture_layer_ids: Sequence[int] = (),
 ) -> Generate:
     """Replies from a local target, `batch_size` histories at a time; histories
     longer than `max_prompt_tokens` are declined (None).
 
     Llama-family targets run in the decoding runtime (static KV cache, ~1.6x HF
-    `generate` on CPU); other architectures fall back to HF `generate`.
+    `generate` on CPU), which also keeps the states at `capture_layer_ids` and the
+    final norm's when given; other architectures fall back to HF `generate`.
     """
     import torch
 
@@ -102,12 +126,17 @@ def local_generator(
     )
 
     if model.config.model_type in SUPPORTED:
-        return _runtime_generator(target, sampling, batch_size, pad_id, max_prompt_tokens)
+        return _runtime_generator(
+            target, sampling, batch_size, pad_id, max_prompt_tokens, capture_layer_ids
+        )
+    if capture_layer_ids:
+        log.info("%s: HF generate keeps no hidden states; the offline cache will run the "
+                 "target over the replies", model.config.model_type)  # fmt: skip
 
-    def generate(chats: list[Chat]) -> list[str | None]:
+    def generate(chats: list[Chat]) -> list[Reply | None]:
         ids_all = [chat_ids(tokenizer, c) for c in chats]
         keep = [i for i, ids in enumerate(ids_all) if _fits(ids, max_prompt_tokens)]
-        replies: list[str | None] = [None] * len(chats)
+        replies: list[Reply | None] = [None] * len(chats)
         for start in range(0, len(keep), batch_size):
             rows = keep[start : start + batch_size]
             ids = [ids_all[i] for i in rows]
@@ -127,7 +156,7 @@ def local_generator(
                 pad_token_id=pad_id,
             )
             for i, row in zip(rows, out[:, width:], strict=True):
-                replies[i] = tokenizer.decode(row, skip_special_tokens=True).strip()
+                replies[i] = Reply(tokenizer.decode(row, skip_special_tokens=True).strip())
         return replies
 
     return generate
@@ -138,7 +167,12 @@ def _fits(ids: list[int], max_prompt_tokens: int | None) -> bool:
 
 
 def _runtime_generator(
-    target: Any, sampling: Sampling, batch_size: int, pad_id: int, max_prompt_tokens: int | None
+    target: Any,
+    sampling: Sampling,
+    batch_size: int,
+    pad_id: int,
+    max_prompt_tokens: int | None,
+    capture_layer_ids: Sequence[int],
 ) -> Generate:
     """Batches of similar prompt length through `decode.batched.generate_batch`."""
     import torch
@@ -153,21 +187,27 @@ def _runtime_generator(
     runtime.set_exact(False)  # replies need not match one-by-one decoding bit for bit: speed
     eos = eos_token_ids(tokenizer)
     decode_sampling = DecodeSampling(temperature=sampling.temperature, top_p=sampling.top_p)
+    layers = tuple(capture_layer_ids)
+    state_layers = (*layers, runtime.args.n_layers) if layers else ()  # the final norm's last
 
-    def generate(chats: list[Chat]) -> list[str | None]:
+    def generate(chats: list[Chat]) -> list[Reply | None]:
         ids = [chat_ids(tokenizer, c) for c in chats]
         fitting = [i for i in range(len(ids)) if _fits(ids[i], max_prompt_tokens)]
         order = sorted(fitting, key=lambda i: len(ids[i]))  # little padding per batch
-        replies: list[str | None] = [None] * len(ids)
+        replies: list[Reply | None] = [None] * len(ids)
         n_batches = -(-len(order) // batch_size)  # even batches: no short one stepping alone
         for b in range(n_batches):
             start = b * len(order) // n_batches
             rows = order[start : (b + 1) * len(order) // n_batches]
             generator = torch.Generator(runtime.device).manual_seed(sampling.seed + start)
             out = generate_batch(runtime, [ids[i] for i in rows], sampling.max_new_tokens, eos,
-                                 decode_sampling, pad_id, generator)  # fmt: skip
-            for i, tokens in zip(rows, out, strict=True):
-                replies[i] = tokenizer.decode(tokens, skip_special_tokens=True).strip()
+                                 decode_sampling, pad_id, generator, state_layers)  # fmt: skip
+            for k, (i, tokens) in enumerate(zip(rows, out.tokens, strict=True)):
+                captured = None
+                if out.states is not None:
+                    captured = Captured(ids[i] + tokens, len(ids[i]), out.states[k], layers)
+                text = tokenizer.decode(tokens, skip_special_tokens=True).strip()
+                replies[i] = Reply(text, captured)
         return replies
 
     return generate
@@ -209,7 +249,7 @@ def server_generator(
         except (KeyError, IndexError, TypeError):
             raise UserError(f"{url}: /v1/models lists no model; pass --model") from None
 
-    def one(chat: Chat) -> str:
+    def one(chat: Chat) -> Reply:
         body = {
             "model": model,
             "messages": chat,
@@ -220,22 +260,28 @@ def server_generator(
         }
         answer = _request(_endpoint(url, "chat/completions"), body, timeout)
         try:
-            return answer["choices"][0]["message"]["content"].strip()
+            return Reply(answer["choices"][0]["message"]["content"].strip())
         except (KeyError, IndexError, TypeError, AttributeError):
             raise UserError(f"{url}: unexpected answer {str(answer)[:200]}") from None
 
-    def generate(chats: list[Chat]) -> list[str]:
+    def generate(chats: list[Chat]) -> list[Reply | None]:
         with ThreadPoolExecutor(max_workers=concurrency) as pool:
             return list(pool.map(one, chats))
 
     return generate
 
 
+def parts_dir(output: str | Path) -> Path:
+    """Where `regenerate` keeps the finished chunks of `output` (and their captures)."""
+    output = Path(output)
+    return output.with_name(output.name + ".parts")
+
+
 def is_regenerated(output: str | Path, identity: dict[str, Any]) -> bool:
     """Whether `output` is complete and was made with `identity` (with other settings it is
     not: `regenerate` then refuses the parts rather than reusing them)."""
     output = Path(output)
-    stamp = output.with_name(output.name + ".parts") / "identity.json"
+    stamp = parts_dir(output) / "identity.json"
     return output.is_file() and stamp.is_file() and json.loads(stamp.read_text()) == identity
 
 
@@ -252,11 +298,12 @@ def regenerate(
 
     `identity` (data, backend, sampling) is kept with the parts; a rerun with
     another identity is refused rather than mixing replies of two settings.
+    Replies that carry captures get them written beside their part first.
     """
     from tqdm.auto import tqdm
 
     output = Path(output)
-    parts = output.with_name(output.name + ".parts")
+    parts = parts_dir(output)
     parts.mkdir(parents=True, exist_ok=True)
     stamp = parts / "identity.json"
     if stamp.is_file() and json.loads(stamp.read_text()) != identity:
@@ -271,10 +318,11 @@ def regenerate(
         part = parts / f"part-{start // chunk_size:05d}.jsonl"
         batch = conversations[start : start + chunk_size]
         if not part.is_file():
-            lines = [
-                json.dumps({"messages": chat})
-                for chat in regenerate_chunk(batch, generate, max_turns)
-            ]
+            done = regenerate_chunk(batch, generate, max_turns)
+            captured = [r.last.captured for r in done if r.last.captured is not None]
+            if captured:
+                write_captures(part.with_suffix(".safetensors"), captured)
+            lines = [json.dumps({"messages": r.chat}) for r in done]
             with atomic_file(part) as tmp:
                 tmp.write_text("".join(line + "\n" for line in lines))
         bar.update(len(batch))

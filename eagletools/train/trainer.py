@@ -694,13 +694,13 @@ def train(
     load = functools.cache(lambda: target or load_teacher(config))  # only when a stage needs it
     stages = []
     if regenerating:
-        from eagletools.data.regenerate import is_regenerated
+        from eagletools.data.regenerate import is_regenerated, parts_dir
 
         regenerated, identity = out / "regenerated.jsonl", _regeneration_identity(config)
         source = config  # whose conversations get the target's replies
 
         def regenerate() -> Path:
-            return regenerated_data(source, out, load())
+            return regenerated_data(source, out, load(), capture=config.data.offline)
 
         done = _agreed(lambda path: is_regenerated(path, identity))
         stages.append(Stage("regenerate", regenerated, regenerate, done))
@@ -709,7 +709,8 @@ def train(
     cache = config.data.hidden_states
     if config.data.offline and not cache:
         cache = out / "hidden-states"
-        run = functools.partial(build_cache, config, cache, load, dataset)
+        captured = parts_dir(regenerated) if regenerating else None
+        run = functools.partial(build_cache, config, cache, load, dataset, captured)
         stages.append(Stage("hidden states", cache, run, _agreed(HiddenStateCache.is_complete)))
     run_stages(stages)
     inputs = offline_inputs(config, cache) if cache else online_inputs(config, load(), dataset)
@@ -752,14 +753,18 @@ def load_teacher(config: TrainConfig) -> Any:
     return load_target(config.target.spec, dtype, device)
 
 
-def regenerated_data(config: TrainConfig, output_dir: str | Path, target: Any) -> Path:
+def regenerated_data(
+    config: TrainConfig, output_dir: str | Path, target: Any, capture: bool = False
+) -> Path:
     """data.regenerate: the target's own replies to the data's prompts, written once by the
-    main process into OUT/regenerated.jsonl (a rerun resumes or reuses it)."""
+    main process into OUT/regenerated.jsonl (a rerun resumes or reuses it); with `capture`,
+    the hidden states the offline cache needs are kept on the way (`data.captures`)."""
     from accelerate import PartialState
 
     from eagletools.data.chat import set_chat_template
     from eagletools.data.conversations import load_conversations
     from eagletools.data.regenerate import Sampling, local_generator, regenerate
+    from eagletools.target import default_aux_layer_ids
 
     d, r = config.data, config.data.regenerate
     out = Path(output_dir) / "regenerated.jsonl"
@@ -769,7 +774,9 @@ def regenerated_data(config: TrainConfig, output_dir: str | Path, target: Any) -
         log.info("%s", report.summary())
         sampling = Sampling(r.max_new_tokens, r.temperature, 1.0, config.training.seed)
         set_chat_template(target.tokenizer, d.chat_template)  # the prompts' template, too
-        generate = local_generator(target, sampling, r.batch_size, r.max_prompt_tokens)
+        layers = (config.target.aux_layer_ids or default_aux_layer_ids(target.info.num_layers)
+                  if capture else [])  # fmt: skip
+        generate = local_generator(target, sampling, r.batch_size, r.max_prompt_tokens, layers)
         regenerate(conversations, generate, out, identity=_regeneration_identity(config),
                    max_turns=r.max_turns, chunk_size=4 * r.batch_size)  # fmt: skip
     state.wait_for_everyone()
@@ -785,14 +792,20 @@ def _regeneration_identity(config: TrainConfig) -> dict[str, Any]:
 
 
 def build_cache(
-    config: TrainConfig, path: Path, load_target: Callable[[], Any], dataset: Any = None
+    config: TrainConfig,
+    path: Path,
+    load_target: Callable[[], Any],
+    dataset: Any = None,
+    captured: Path | None = None,
 ) -> None:
     """data.offline: run the target once over the data into `path` (resumable, sharded over
-    processes), so every epoch after reads it instead of running the target."""
+    processes), so every epoch after reads it instead of running the target; samples whose
+    states regeneration kept in `captured` skip that run, and once the cache is complete
+    those captures (as large as the cache) are deleted."""
     from accelerate import PartialState
 
     from eagletools.data import prepare
-    from eagletools.data.hidden_states import write_hidden_states
+    from eagletools.data.hidden_states import HiddenStateCache, write_hidden_states
 
     state = PartialState(cpu=not torch.cuda.is_available())
     d, target = config.data, load_target()
@@ -805,6 +818,9 @@ def build_cache(
     write_hidden_states(
         target, dataset, path, data_key=key, max_length=d.max_length,
         layer_ids=config.target.aux_layer_ids, rank=state.process_index,
-        world_size=state.num_processes,
+        world_size=state.num_processes, captured=captured,
     )  # fmt: skip
     state.wait_for_everyone()
+    if captured is not None and state.is_main_process and HiddenStateCache.is_complete(path):
+        for part in captured.glob("part-*.safetensors"):  # the cache holds them now
+            part.unlink()
