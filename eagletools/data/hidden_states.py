@@ -103,8 +103,9 @@ def write_hidden_states(
     `rank`/`world_size` default to the RANK/WORLD_SIZE that `accelerate launch`
     or torchrun set. `captured`: a regeneration's parts folder; a sample whose
     states it kept at these layers takes them (and the reply's tokens as the
-    target wrote them, `data.captures`) instead of a run through the target. Returns the cache folder; its manifest is complete once
-    every shard of every rank exists.
+    target wrote them, `data.captures`) instead of a run through the target.
+    Returns the cache folder; its manifest is complete once every shard of
+    every rank exists.
     """
     from safetensors.torch import save_file
     from tqdm.auto import tqdm
