@@ -66,7 +66,8 @@ class Captures:
         from safetensors import safe_open
 
         self.files = [safe_open(str(f), "pt") for f in files]
-        self.by_prompt: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+        # prompt tokens -> (file, row); the same prompt twice: the first (both are the target's)
+        self.by_prompt: dict[tuple[int, ...], tuple[int, int]] = {}
         self.ids: list[list[list[int]]] = []
         self.state_offsets: list[list[int]] = []
         for k, f in enumerate(self.files):
@@ -76,7 +77,7 @@ class Captures:
             self.ids.append(rows)
             self.state_offsets.append(f.get_tensor("state_offsets").tolist())
             for j, n in enumerate(f.get_tensor("prompt_lengths").tolist()):
-                self.by_prompt.setdefault(tuple(rows[j][:n]), []).append((k, j))
+                self.by_prompt.setdefault(tuple(rows[j][:n]), (k, j))
 
     @classmethod
     def open(cls, folder: Path, layer_ids: Sequence[int]) -> Captures | None:
@@ -90,9 +91,6 @@ class Captures:
                     files.append(path)
         return cls(files) if files else None
 
-    def __len__(self) -> int:
-        return len(self.by_prompt)
-
     def lookup(
         self, ids: list[int], loss_mask: list[int], max_length: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -101,9 +99,9 @@ class Captures:
         None when no capture has the sample's prompt."""
         start = _last_reply_start(loss_mask)
         found = self.by_prompt.get(tuple(ids[:start]))
-        if start == 0 or not found:
+        if start == 0 or found is None:
             return None
-        k, j = found[0]  # the same prompt twice: either reply is the target's
+        k, j = found
         lo, hi = self.state_offsets[k][j], self.state_offsets[k][j + 1]
         n = min(hi - lo, max_length)
         mask = loss_mask[:start] + [1] * (n - start)

@@ -28,8 +28,8 @@ GREEDY = Sampling()
 @dataclass
 class Generated:
     tokens: list[list[int]]  # each row's new tokens, up to and including its first EOS
-    # with `state_layer_ids`: each row's states [n, len(ids)*H] over its prompt and the
-    # new tokens the model read back; n is len(prompt) + len(tokens), or one less when
+    # with `state_layer_ids`: each row's states [n, len(state_layer_ids)*H] over its prompt and
+    # the new tokens the model read back; n is len(prompt) + len(tokens), or one less when
     # the row's last token ended the loop before it was read
     states: list[torch.Tensor] | None = None
 

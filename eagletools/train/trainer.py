@@ -700,7 +700,7 @@ def train(
         source = config  # whose conversations get the target's replies
 
         def regenerate() -> Path:
-            return regenerated_data(source, out, load(), capture=config.data.offline)
+            return regenerated_data(source, out, load(), capture=source.data.offline)
 
         done = _agreed(lambda path: is_regenerated(path, identity))
         stages.append(Stage("regenerate", regenerated, regenerate, done))
