@@ -192,3 +192,22 @@ def test_states_kept_while_regenerating_serve_the_cache(tmp_path):
         torch.testing.assert_close(batch.aux.float(), ref.aux, atol=3e-2, rtol=2e-2)
         torch.testing.assert_close(batch.last_hidden.float(), ref.last_hidden,
                                    atol=3e-2, rtol=2e-2)  # fmt: skip
+
+
+def test_captures_are_found_by_prompt_and_never_by_a_digest_alone(tmp_path, monkeypatch):
+    from eagletools.data import captures as cap
+
+    rows = [cap.Captured([5, 6, 7, 8, 9], 2, torch.randn(4, 6), (1, 2)),
+            cap.Captured([1, 2, 3, 4], 3, torch.randn(3, 6), (1, 2))]  # fmt: skip
+    cap.write_captures(tmp_path / "part-00000.safetensors", rows)
+    found = cap.Captures.open(tmp_path, [1, 2])
+    ids, mask, states = found.lookup([1, 2, 3, 40, 41], [0, 0, 0, 1, 1], max_length=64)
+    assert ids.tolist() == [1, 2, 3] and mask.tolist() == [0, 0, 0]  # 3 states: the 4th unread
+    torch.testing.assert_close(states, rows[1].states.to(torch.bfloat16), rtol=0, atol=0)
+    ids, mask, states = found.lookup([5, 6, 70, 80], [0, 0, 1, 1], max_length=3)
+    assert ids.tolist() == [5, 6, 7] and mask.tolist() == [0, 0, 1] and len(states) == 3
+    assert found.lookup([5, 7, 70], [0, 0, 1], max_length=64) is None  # another prompt
+    monkeypatch.setattr(cap, "_digest", lambda tokens: b"same")  # every prompt collides
+    colliding = cap.Captures.open(tmp_path, [1, 2])
+    assert colliding.lookup([9, 9, 70], [0, 0, 1], max_length=64) is None
+    assert colliding.lookup([5, 6, 70], [0, 0, 1], max_length=64)[0].tolist() == [5, 6, 7, 8]

@@ -12,6 +12,7 @@ from eagletools.target import (
     default_aux_layer_ids,
     load_target,
     load_tokenizer,
+    resolve_aux_layer_ids,
     resolve_spec,
 )
 
@@ -44,6 +45,12 @@ def test_default_aux_layer_ids():
     assert default_aux_layer_ids(32) == [2, 16, 29]
     with pytest.raises(UserError, match="at least 4"):
         default_aux_layer_ids(3)
+
+
+def test_resolve_aux_layer_ids_keeps_a_choice_and_defaults_otherwise():
+    assert resolve_aux_layer_ids((5, 1, 9), 30) == [5, 1, 9]  # the user's order kept
+    assert resolve_aux_layer_ids(None, 30) == [2, 15, 27]
+    assert resolve_aux_layer_ids([], 32) == [2, 16, 29]
 
 
 def test_target_info_rope_fields():

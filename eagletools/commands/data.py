@@ -218,9 +218,10 @@ def _regenerate(args: argparse.Namespace) -> int:
         set_chat_template(target.tokenizer, args.chat_template)
         layers = ()
         if args.keep_states:
-            from eagletools.target import default_aux_layer_ids
+            from eagletools.target import resolve_aux_layer_ids
 
-            layers = _layer_ids(args.aux_layer_ids) or default_aux_layer_ids(target.info.num_layers)
+            chosen = _layer_ids(args.aux_layer_ids)
+            layers = resolve_aux_layer_ids(chosen, target.info.num_layers)
         generate = local_generator(
             target, sampling, args.batch_size, args.max_prompt_tokens, layers
         )

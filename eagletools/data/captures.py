@@ -19,6 +19,7 @@ the sample ends before it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -60,24 +61,26 @@ def write_captures(path: Path, captured: Sequence[Captured]) -> None:
 
 
 class Captures:
-    """Every capture of a regeneration folder made at `layer_ids`, found by prompt tokens."""
+    """Every capture of a regeneration folder made at `layer_ids`, found by prompt tokens.
+
+    Only a 16-byte digest of each prompt and the row offsets stay in memory; the
+    tokens and states are read from the memory-mapped files when a sample asks."""
 
     def __init__(self, files: list[Path]):
         from safetensors import safe_open
 
         self.files = [safe_open(str(f), "pt") for f in files]
-        # prompt tokens -> (file, row); the same prompt twice: the first (both are the target's)
-        self.by_prompt: dict[tuple[int, ...], tuple[int, int]] = {}
-        self.ids: list[list[list[int]]] = []
+        # prompt digest -> (file, row); the same prompt twice: the first (both are the target's)
+        self.by_prompt: dict[bytes, tuple[int, int]] = {}
+        self.id_offsets: list[list[int]] = []
         self.state_offsets: list[list[int]] = []
         for k, f in enumerate(self.files):
-            ids = f.get_tensor("ids").tolist()
+            ids = f.get_tensor("ids")
             bounds = f.get_tensor("id_offsets").tolist()
-            rows = [ids[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
-            self.ids.append(rows)
+            self.id_offsets.append(bounds)
             self.state_offsets.append(f.get_tensor("state_offsets").tolist())
             for j, n in enumerate(f.get_tensor("prompt_lengths").tolist()):
-                self.by_prompt.setdefault(tuple(rows[j][:n]), (k, j))
+                self.by_prompt.setdefault(_digest(ids[bounds[j] : bounds[j] + n]), (k, j))
 
     @classmethod
     def open(cls, folder: Path, layer_ids: Sequence[int]) -> Captures | None:
@@ -98,15 +101,25 @@ class Captures:
         last reply, then the reply as the target wrote it, at most `max_length` in all;
         None when no capture has the sample's prompt."""
         start = _last_reply_start(loss_mask)
-        found = self.by_prompt.get(tuple(ids[:start]))
+        prompt = torch.tensor(ids[:start], dtype=torch.int32)
+        found = self.by_prompt.get(_digest(prompt))
         if start == 0 or found is None:
             return None
         k, j = found
+        a, b = self.id_offsets[k][j], self.id_offsets[k][j + 1]
+        row = self.files[k].get_slice("ids")[a:b]
+        if not torch.equal(row[:start], prompt):  # a digest collision: never trust it
+            return None
         lo, hi = self.state_offsets[k][j], self.state_offsets[k][j + 1]
         n = min(hi - lo, max_length)
         mask = loss_mask[:start] + [1] * (n - start)
         states = self.files[k].get_slice("states")[lo : lo + n]
-        return torch.tensor(self.ids[k][j][:n]), torch.tensor(mask, dtype=torch.int8), states
+        return row[:n].long(), torch.tensor(mask, dtype=torch.int8), states
+
+
+def _digest(tokens: torch.Tensor) -> bytes:
+    """A prompt's key: its int32 token bytes hashed (the length is part of the bytes)."""
+    return hashlib.blake2b(tokens.to(torch.int32).numpy().tobytes(), digest_size=16).digest()
 
 
 def _last_reply_start(loss_mask: list[int]) -> int:

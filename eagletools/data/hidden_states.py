@@ -110,12 +110,12 @@ def write_hidden_states(
     from safetensors.torch import save_file
     from tqdm.auto import tqdm
 
-    from eagletools.target import capture_aux, default_aux_layer_ids
+    from eagletools.target import capture_aux, resolve_aux_layer_ids
 
     rank = int(os.environ.get("RANK", 0)) if rank is None else rank
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
     root = Path(output_dir)
-    layer_ids = list(layer_ids or default_aux_layer_ids(target.info.num_layers))
+    layer_ids = resolve_aux_layer_ids(layer_ids, target.info.num_layers)
     identity = _identity(target, layer_ids, data_key, max_length)
     manifest_path = root / "manifest.json"
     if manifest_path.is_file():

@@ -227,8 +227,7 @@ class Eagle3Draft(nn.Module):
         from eagletools.vocab import DraftVocab
 
         tc = anatomy.text_config(model.config)
-        if aux_layer_ids is None:
-            aux_layer_ids = anatomy.default_aux_layer_ids(tc.num_hidden_layers)
+        aux_layer_ids = anatomy.resolve_aux_layer_ids(aux_layer_ids, tc.num_hidden_layers)
         vocab_size = tc.vocab_size
         if draft_vocab is None:
             draft_vocab = DraftVocab.identity(vocab_size)

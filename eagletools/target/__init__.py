@@ -8,6 +8,7 @@ from eagletools.target.anatomy import (
     final_norm,
     lm_head,
     normalize_rope_scaling,
+    resolve_aux_layer_ids,
     rope_of,
 )
 from eagletools.target.aux import AuxOutput, capture_aux
@@ -37,6 +38,7 @@ __all__ = [
     "load_target_summary",
     "load_tokenizer",
     "normalize_rope_scaling",
+    "resolve_aux_layer_ids",
     "resolve_spec",
     "rope_of",
 ]

@@ -12,6 +12,7 @@ optional `rope_scaling` whose type key may be the old `type`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from torch import nn
@@ -62,6 +63,11 @@ def default_aux_layer_ids(num_layers: int) -> list[int]:
     if num_layers < 4:
         raise UserError(f"a target needs at least 4 decoder layers for EAGLE-3, got {num_layers}")
     return [2, num_layers // 2, num_layers - 3]
+
+
+def resolve_aux_layer_ids(chosen: Sequence[int] | None, num_layers: int) -> list[int]:
+    """The layers a user chose, or the default for this depth when none (or an empty list)."""
+    return list(chosen) if chosen else default_aux_layer_ids(num_layers)
 
 
 def decoder(model: nn.Module) -> nn.Module:

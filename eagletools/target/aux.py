@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from eagletools.errors import UserError
-from eagletools.target.anatomy import decoder, default_aux_layer_ids
+from eagletools.target.anatomy import decoder, resolve_aux_layer_ids
 
 
 @dataclass
@@ -32,7 +32,7 @@ def capture_aux(
 ) -> AuxOutput:
     base = decoder(model)
     n = len(base.layers)
-    layer_ids = list(layer_ids) if layer_ids is not None else default_aux_layer_ids(n)
+    layer_ids = resolve_aux_layer_ids(layer_ids, n)
     bad = [i for i in layer_ids if not 0 <= i <= n]
     if bad:
         raise UserError(

@@ -76,7 +76,7 @@ def lr_factor(step: int, progress: float, warmup_steps: int, min_ratio: float) -
 def online_inputs(config: TrainConfig, target: Any = None, dataset: Any = None) -> TrainInputs:
     """The target in the loop; samples from the prepared (tokenised) dataset."""
     from eagletools.data import prepare_dataset
-    from eagletools.target import default_aux_layer_ids
+    from eagletools.target import resolve_aux_layer_ids
 
     if target is None:
         target = load_teacher(config)
@@ -87,7 +87,7 @@ def online_inputs(config: TrainConfig, target: Any = None, dataset: Any = None) 
             chat_template=d.chat_template, tokenizer=target.tokenizer, hub=d.hub(),
         )  # fmt: skip
     model = target.model
-    layer_ids = config.target.aux_layer_ids or default_aux_layer_ids(target.info.num_layers)
+    layer_ids = resolve_aux_layer_ids(config.target.aux_layer_ids, target.info.num_layers)
     return TrainInputs(
         source=TokenSamples(dataset),
         head_model=model,
@@ -764,7 +764,7 @@ def regenerated_data(
     from eagletools.data.chat import set_chat_template
     from eagletools.data.conversations import load_conversations
     from eagletools.data.regenerate import Sampling, local_generator, regenerate
-    from eagletools.target import default_aux_layer_ids
+    from eagletools.target import resolve_aux_layer_ids
 
     d, r = config.data, config.data.regenerate
     out = Path(output_dir) / "regenerated.jsonl"
@@ -774,8 +774,8 @@ def regenerated_data(
         log.info("%s", report.summary())
         sampling = Sampling(r.max_new_tokens, r.temperature, 1.0, config.training.seed)
         set_chat_template(target.tokenizer, d.chat_template)  # the prompts' template, too
-        layers = (config.target.aux_layer_ids or default_aux_layer_ids(target.info.num_layers)
-                  if capture else [])  # fmt: skip
+        chosen, num_layers = config.target.aux_layer_ids, target.info.num_layers
+        layers = resolve_aux_layer_ids(chosen, num_layers) if capture else []
         generate = local_generator(target, sampling, r.batch_size, r.max_prompt_tokens, layers)
         regenerate(conversations, generate, out, identity=_regeneration_identity(config),
                    max_turns=r.max_turns, chunk_size=4 * r.batch_size)  # fmt: skip
