@@ -3,7 +3,10 @@ step to step dynamic from the first call."""
 
 from __future__ import annotations
 
+import functools
+import sysconfig
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -21,7 +24,9 @@ def compile_frozen(fn: Callable, dynamic_sources: str) -> Callable:
     On CPU the graph's wrapper is C++ (`cpp_wrapper`), not Python: a SmolLM2
     decode step calls ~300 kernels, and Python's per-call cost was 8-11% of the
     step (1.08x and 1.12x faster, interleaved in one process on 2 cores; same
-    logits bit for bit). On CUDA the step is replayed from a CUDA graph anyway.
+    logits bit for bit). That wrapper is a Python extension, built only where
+    Python's headers are installed (`python3-dev`); on CUDA the step is replayed
+    from a CUDA graph anyway.
     """
     import torch._dynamo.config as dynamo_config
     import torch._inductor.config as inductor_config
@@ -31,10 +36,16 @@ def compile_frozen(fn: Callable, dynamic_sources: str) -> Callable:
     def call(*args):
         on_cpu = all(a.device.type == "cpu" for a in args if isinstance(a, torch.Tensor))
         with (
-            inductor_config.patch(freezing=True, cpp_wrapper=on_cpu),
+            inductor_config.patch(freezing=True, cpp_wrapper=on_cpu and python_headers()),
             torch.compiler.config.patch(dynamic_sources=dynamic_sources),
             dynamo_config.patch(recompile_limit=64),  # a graph per shape and cache
         ):
             return compiled(*args)
 
     return call
+
+
+@functools.cache
+def python_headers() -> bool:
+    """Whether `Python.h` is installed, which inductor's C++ wrapper compiles against."""
+    return (Path(sysconfig.get_paths()["include"]) / "Python.h").is_file()
