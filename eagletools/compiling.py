@@ -22,7 +22,7 @@ def compile_frozen(fn: Callable, dynamic_sources: str) -> Callable:
     did not reach the CPU's weight packing (29.9 against 21.5 ms per SmolLM2 token).
 
     On CPU the graph's wrapper is C++ (`cpp_wrapper`), not Python: a SmolLM2
-    decode step calls ~300 kernels, and Python's per-call cost was 8-11% of the
+    decode step calls ~300 kernels, and Python's per-call cost was 7-11% of the
     step (1.08x and 1.12x faster, interleaved in one process on 2 cores; same
     logits bit for bit). That wrapper is a Python extension, built only where
     Python's headers are installed (`python3-dev`); on CUDA the step is replayed
