@@ -90,7 +90,12 @@ def test_a_start_on_the_device_gives_the_same_forward(family):
         (by_tensor.kv_cache.k, by_int.kv_cache.k),
         (by_tensor.kv_cache.v, by_int.kv_cache.v),
     ]:
-        assert torch.equal(a, b)
+        # the same slots written and the rest untouched; the first layer's K/V are
+        # bitwise equal, later ones read attention outputs summed over a longer
+        # (masked) row, so they may differ by a rounding
+        assert torch.equal(a[0], b[0])
+        assert torch.equal(a[..., 29:, :], b[..., 29:, :])
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
 
 
 def test_growing_the_cache_keeps_every_layer():
