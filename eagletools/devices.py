@@ -8,6 +8,9 @@ later.
 
 from __future__ import annotations
 
+import functools
+import statistics
+import time
 from typing import TYPE_CHECKING
 
 from eagletools.errors import UserError
@@ -50,13 +53,41 @@ def resolve_device(spec: str = "auto", where: str = "--device") -> torch.device:
 def fast_matmul_dtype(device: torch.device) -> torch.dtype:
     """The dtype whose large matmuls run fastest on `device`.
 
-    bf16 on CUDA and on CPUs with AMX tiles; float32 on other CPUs, where
-    oneDNN's bf16 GEMMs run at ~0.6x fp32's (AVX-512 with bf16 dot products, 2
-    cores: 159 against 257 GFLOPS at [512, 576] x [576, 1536]). Compute-bound
-    work that may choose its dtype (Muon's Newton-Schulz iterations) asks here.
+    bf16 on CUDA and on CPUs with AMX tiles, fp32 on CPUs without bf16 dot
+    products. CPUs with AVX-512 bf16 dot products and no AMX differ, so one
+    product is timed in both dtypes, once per process: on 2 cores at [470, 1152]
+    x [1152, 1536], a Xeon ran bf16 at 0.6x fp32's speed (159 against 257
+    GFLOPS), an EPYC (Zen 4) at 2.8x (348 against 123). Compute-bound work that
+    may choose its dtype (training under `precision: auto`, Muon's Newton-Schulz
+    iterations) asks here.
     """
     import torch
 
-    if device.type == "cpu" and not torch.cpu._is_amx_tile_supported():
+    if device.type != "cpu" or torch.cpu._is_amx_tile_supported():
+        return torch.bfloat16
+    if not torch.cpu._is_avx512_bf16_supported():
         return torch.float32
-    return torch.bfloat16
+    return torch.bfloat16 if cpu_bf16_speedup() >= BF16_MARGIN else torch.float32
+
+
+# bf16 must win by this much: a close call keeps fp32's precision
+BF16_MARGIN = 1.25
+
+
+@functools.cache
+def cpu_bf16_speedup(rounds: int = 7) -> float:
+    """fp32 over bf16 time of one [512, 576] x [576, 1536] product on this CPU, medians
+    of interleaved rounds (a loaded machine slows both alike)."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(512, 576, generator=g), torch.randn(576, 1536, generator=g)
+    pairs = {dtype: (a.to(dtype), b.to(dtype)) for dtype in (torch.float32, torch.bfloat16)}
+    times: dict[torch.dtype, list[float]] = {dtype: [] for dtype in pairs}
+    for _ in range(rounds + 1):  # the first round warms up and is dropped
+        for dtype, (x, y) in pairs.items():
+            start = time.perf_counter()
+            x @ y
+            times[dtype].append(time.perf_counter() - start)
+    median = {dtype: statistics.median(t[1:]) for dtype, t in times.items()}
+    return median[torch.float32] / median[torch.bfloat16]

@@ -82,9 +82,26 @@ def test_pipeline_eval_device_fails_before_training(fresh_state, monkeypatch, tm
         stages(config, tmp_path)
 
 
-@pytest.mark.parametrize(("device", "amx", "want"), [
-    ("cpu", False, torch.float32), ("cpu", True, torch.bfloat16), ("cuda", False, torch.bfloat16),
+@pytest.mark.parametrize(("device", "amx", "bf16_dot", "speedup", "want"), [
+    ("cpu", False, False, 9.0, torch.float32),
+    ("cpu", False, True, 0.6, torch.float32),  # a Xeon without AMX: bf16 GEMMs the slower
+    ("cpu", False, True, 1.1, torch.float32),  # a close call keeps fp32
+    ("cpu", False, True, 2.8, torch.bfloat16),  # an EPYC (Zen 4)
+    ("cpu", True, True, 0.1, torch.bfloat16),
+    ("cuda", False, False, 0.1, torch.bfloat16),
 ])  # fmt: skip
-def test_fast_matmul_dtype_follows_the_hardware(monkeypatch, device, amx, want):
+def test_fast_matmul_dtype_follows_the_hardware(monkeypatch, device, amx, bf16_dot, speedup, want):
+    import eagletools.devices as devices
+
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: bf16_dot)
+    monkeypatch.setattr(devices, "cpu_bf16_speedup", lambda: speedup)
     assert fast_matmul_dtype(torch.device(device)) == want
+
+
+def test_the_bf16_speedup_is_measured_once():
+    from eagletools.devices import cpu_bf16_speedup
+
+    cpu_bf16_speedup.cache_clear()
+    first = cpu_bf16_speedup()
+    assert 0.05 < first < 20 and cpu_bf16_speedup() == first
