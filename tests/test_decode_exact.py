@@ -93,3 +93,25 @@ def test_switching_numerics_switches_every_linear(runtime):
     assert not any(m.invariant for m in linears)
     runtime.set_exact(True)
     assert all(m.invariant for m in linears)
+
+
+@pytest.mark.parametrize("keys", [37, 300, 513])
+def test_a_lone_query_gets_the_bits_it_gets_among_others(keys):
+    """Exact attention is batch-invariant at one query too: on an EPYC (Zen 4) a
+    lone query's fp32 score product took another GEMM kernel and rounded apart
+    (`make demo` then matched plain decoding on 0 of 5 MT-bench prompts)."""
+    from eagletools.decode.model import attention
+
+    g = torch.Generator().manual_seed(keys)
+    q = torch.randn(2, 9, 24, 64, generator=g).bfloat16()
+    k = torch.randn(2, 3, keys, 64, generator=g).bfloat16()
+    v = torch.randn(2, 3, keys, 64, generator=g).bfloat16().double()
+    mask = torch.rand(24, keys, generator=g) < 0.9
+    together = attention(q, k, v, mask)
+    for i in range(24):
+        alone = attention(q[:, :, i : i + 1], k, v, mask[i : i + 1])
+        assert torch.equal(alone, together[:, :, i : i + 1]), f"query {i}"
+    rows = mask[None, :5].expand(2, 5, keys)  # a left-padded batch's per-row masks
+    assert torch.equal(
+        attention(q[:, :, :1], k, v, rows[:, :1]), attention(q[:, :, :5], k, v, rows)[:, :, :1]
+    )

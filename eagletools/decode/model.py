@@ -207,8 +207,8 @@ def attention(q, k, v, mask: torch.Tensor | None, exact: bool = True) -> torch.T
     `exact` (CPU): a query's output does not depend on which other queries
     share the call or where in a tree its keys sit, so speculative decoding
     reproduces plain decoding in bf16. Scores are one product per (query, key)
-    and equal bit for bit however many queries share the call (pinned in
-    tests); the softmax sum and the value sum, whose rounding follows each
+    and equal bit for bit however many queries share the call (a lone query
+    runs as two; pinned in tests); the softmax sum and the value sum, whose rounding follows each
     key's place in the row, run in float64, where that order moves a result by
     ~1e-16, 2^-40 of the bf16 step the output is rounded to.
     """
@@ -219,6 +219,11 @@ def attention(q, k, v, mask: torch.Tensor | None, exact: bool = True) -> torch.T
         k, v = k.to(q.dtype), v.to(q.dtype)
         attn_mask = mask[:, None] if per_row else mask
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=True)
+    if exact and t == 1:
+        # a lone query's fp32 score product takes another GEMM kernel on some CPUs (an
+        # EPYC, Zen 4), rounding apart from the many-query one: run it as two copies
+        mask = None if mask is None else mask.expand(*mask.shape[:-2], 2, s)
+        return attention(q.expand(b, hq, 2, d), k, v, mask)[:, :, :1]
     group = hq // hkv
     q32 = q.reshape(b * hkv, group * t, d).float()
     # a V cache already in this dtype (`Transformer.cache_dtypes`) is not converted
