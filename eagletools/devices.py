@@ -55,9 +55,9 @@ def fast_matmul_dtype(device: torch.device) -> torch.dtype:
 
     bf16 on CUDA and on CPUs with AMX tiles, fp32 on CPUs without bf16 dot
     products. CPUs with AVX-512 bf16 dot products and no AMX differ, so one
-    product is timed in both dtypes, once per process: on 2 cores at [470, 1152]
-    x [1152, 1536], a Xeon ran bf16 at 0.6x fp32's speed (159 against 257
-    GFLOPS), an EPYC (Zen 4) at 2.8x (348 against 123). Compute-bound work that
+    product is timed in both dtypes, once per process: on 2 cores at [512, 576]
+    x [576, 1536], a Xeon ran bf16 at 0.6x fp32's speed (159 against 257
+    GFLOPS), an EPYC (Zen 4) at 2.1-2.4x (`cpu_bf16_speedup`). Compute-bound work that
     may choose its dtype (training under `precision: auto`, Muon's Newton-Schulz
     iterations) asks here.
     """
