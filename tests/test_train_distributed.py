@@ -24,7 +24,8 @@ SCRIPT = textwrap.dedent(
     config = tiny_config(f"training.batch_size={{batch_size}}", "training.max_steps=5",
                          "training.grad_accum=2", "training.eval_every=5")
     train(config, out, target=tiny_target(), dataset=random_dataset())
-    assert not gloo_threads(), gloo_threads()  # train() joined its process group's threads
+    left = gloo_threads()
+    assert not left, left  # train() joined its process group's threads
     """
 )
 
