@@ -17,6 +17,11 @@ machine without AMX); `--fast-numerics` skips it. The packed copy lives
 beside the weight and is remade when the weight changes, so it doubles the
 memory of the layers that use it. Without grad only: it has no backward.
 
+Attention's batched products under `torch.compile` on CPU: one opaque op
+(`batched_product`), since the compiled step builds every product it sees from
+inductor's C++ GEMM template (`compiling.compile_frozen`), which has no form for
+these (a dynamic key count, float64).
+
 Argmax over a vocabulary: `max(dim).indices` is 2.5-4x faster than `argmax` on
 CPU (bf16 and fp32) and keeps its rule for ties, the first maximum.
 """
@@ -123,6 +128,29 @@ def pack_linears(model: nn.Module) -> nn.Module:
         if type(module) is nn.Linear:
             module.__class__ = PackedLinear
     return model
+
+
+def batched_product(a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+    """`alpha * a @ b` over a batch; under `torch.compile` a call inductor keeps whole."""
+    if torch.compiler.is_compiling():
+        return _opaque_product(a, b, alpha)
+    return _product(a, b, alpha)
+
+
+def _product(a: torch.Tensor, b: torch.Tensor, alpha: float) -> torch.Tensor:
+    if alpha == 1.0:
+        return torch.bmm(a, b)
+    return torch.baddbmm(a.new_empty(()), a, b, beta=0, alpha=alpha)
+
+
+@torch.library.custom_op("eagletools::batched_product", mutates_args=())
+def _opaque_product(a: torch.Tensor, b: torch.Tensor, alpha: float) -> torch.Tensor:
+    return _product(a, b, alpha)
+
+
+@_opaque_product.register_fake
+def _(a: torch.Tensor, b: torch.Tensor, alpha: float) -> torch.Tensor:
+    return a.new_empty(a.shape[0], a.shape[1], b.shape[2])
 
 
 def argmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:

@@ -19,7 +19,7 @@ from torch import nn
 
 from eagletools import kernels
 from eagletools.compiling import compile_frozen
-from eagletools.cpu_ops import PackedLinear
+from eagletools.cpu_ops import PackedLinear, batched_product
 from eagletools.draft.model import RMSNorm, meta_device
 from eagletools.errors import UserError
 from eagletools.rope import RotaryEmbedding
@@ -229,14 +229,14 @@ def attention(q, k, v, mask: torch.Tensor | None, exact: bool = True) -> torch.T
     # a V cache already in this dtype (`Transformer.cache_dtypes`) is not converted
     k = k.float().reshape(b * hkv, s, d)
     v = v.reshape(b * hkv, s, d).to(torch.float64 if exact else torch.float32)
-    scores = torch.baddbmm(q32.new_empty(()), q32, k.transpose(1, 2), beta=0, alpha=d**-0.5)
+    scores = batched_product(q32, k.transpose(1, 2), d**-0.5)
     if mask is not None:
         mask = mask[:, None, None] if per_row else mask
         scores = scores.view(b, hkv, group, t, s).masked_fill(~mask, float("-inf"))
     scores = scores.view(b * hkv, group * t, s)
     if exact:
         scores = scores.double()
-    return torch.bmm(scores.softmax(-1), v).to(q.dtype).view(b, hq, t, d)
+    return batched_product(scores.softmax(-1), v).to(q.dtype).view(b, hq, t, d)
 
 
 class Attention(nn.Module):
@@ -488,8 +488,9 @@ def compiled(model: Transformer) -> Callable[..., tuple[torch.Tensor, torch.Tens
     (packed once): `(input_ids, positions, start, tree_mask=None, aux_layer_ids=())`.
 
     The norms, rotary, SiLU and attention's softmax fuse into a few kernels
-    instead of ~1,600 eager ops per token: SmolLM2 in bf16 on 2 cores without
-    AMX, a token in 24.7 against 34 ms eager, a 6-node tree in 30.3 against 41.7.
+    instead of ~1,600 eager ops per token, and the linears are inductor's own
+    (`compiling.cpu_gemm_template`): SmolLM2 in bf16 on 2 cores (an EPYC) decodes
+    at 63.8 tokens/s against 42.4 with oneDNN's linears (docs/results.md).
 
     A row's result never depends on the call. A lone token runs as the root of
     a two-node chain (itself twice; the copy's K/V lands in the next slot, which

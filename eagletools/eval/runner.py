@@ -30,7 +30,9 @@ log = logging.getLogger(__name__)
 
 # (topk, depth, num_draft_tokens) shapes --autotune times: chains and small-to-large trees,
 # the small ones for where drafting costs much beside a verify (2 CPU cores: a third, issue 16)
+# and where verifying more than 4 rows costs more than one (compiled on CPU)
 AUTOTUNE_GRID = (
+    (1, 1, 2),
     (1, 2, 3),
     (1, 3, 4),
     (1, 5, 6),

@@ -1,0 +1,49 @@
+"""`compiling.compile_frozen` on CPU: every linear from inductor's C++ GEMM template,
+a row's bits the same among any rows, attention's products kept whole."""
+
+from __future__ import annotations
+
+import torch
+from torch._dynamo.utils import counters
+
+from eagletools.compiling import compile_frozen
+from eagletools.cpu_ops import batched_product
+
+
+@torch.inference_mode()
+def test_the_gemm_template_gives_a_row_the_same_bits_among_any_rows():
+    """Exact decoding rests on this: a token's logits do not depend on how many
+    tree nodes share its products. A graph per row count, and one dynamic in it."""
+    torch.manual_seed(int(torch.randint(0, 2**31, ())))
+    up, down = torch.nn.Linear(192, 384, bias=False), torch.nn.Linear(384, 192, bias=False)
+    up, down = up.bfloat16(), down.bfloat16()
+    x = torch.randn(9, 192).bfloat16()
+
+    def block(x):  # a linear, an activation, a linear with the residual fused after it
+        return x + down(torch.nn.functional.silu(up(x)))
+
+    counters.clear()
+    step = compile_frozen(block, "")
+    outs = {rows: step(x[:rows]) for rows in (1, 2, 3, 5, 9)}
+    assert counters["inductor"]["cpp_templated_kernel_counter"] > 0  # the template ran
+    for rows, out in outs.items():
+        assert torch.equal(out, outs[9][:rows]), rows
+    assert not torch.equal(outs[9], block(x))  # a fused epilogue skips a rounding: not eager
+
+
+@torch.inference_mode()
+def test_attention_products_compile_whole_and_equal_eager():
+    """The template has no form for a product with a dynamic key count (nor float64):
+    `batched_product` keeps it whole, with eager's bits."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+
+    def scores_then_values(q, k, v):
+        p = batched_product(q, k.transpose(1, 2), 0.125).softmax(-1)
+        return batched_product(p.double(), v)
+
+    step = compile_frozen(scores_then_values, "L['k']:1,L['v']:1")
+    for keys in (7, 30):
+        q = torch.randn(3, 6, 64, generator=g)
+        k = torch.randn(3, keys, 64, generator=g)
+        v = torch.randn(3, keys, 64, generator=g, dtype=torch.float64)
+        torch.testing.assert_close(step(q, k, v), scores_then_values(q, k, v))
