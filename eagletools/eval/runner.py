@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 # (topk, depth, num_draft_tokens) shapes --autotune times: chains and small-to-large trees,
 # the small ones for where drafting costs much beside a verify (2 CPU cores: a third, issue 16)
-# and where verifying more than 4 rows costs more than one (compiled on CPU)
+# and for compiled CPU steps, where 5 or more rows verify at well over one row's cost
 AUTOTUNE_GRID = (
     (1, 1, 2),
     (1, 2, 3),
