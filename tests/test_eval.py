@@ -120,7 +120,8 @@ def test_eval_command_end_to_end(tiny_target, tmp_path, capsys):
     assert set(s["speedup"]["vs_hf_generate"]) == {"mean_of_ratios", "total_over_total"}
     assert results["per_prompt"][0]["turns"] == 2
     assert results["settings"]["topk"] == 2 and "load_average_at_start" in results["machine"]
-    assert (out / "results.md").read_text().startswith("# eagletools eval")
+    report = (out / "results.md").read_text()
+    assert report.startswith("# eagletools eval") and "steps eager (`--compile`" in report
     for png in ("acceptance_by_position.png", "speedup_by_category.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
     assert "| all | 2 |" in capsys.readouterr().out

@@ -37,7 +37,11 @@ def _row(name: str, s: dict) -> list[str]:
 def numerics(cfg: dict) -> str:
     """Which numerics ran: only the exact ones promise bf16 greedy equality; compiled
     steps equal each other, not eager ones."""
-    compiled = ", steps compiled (inductor)" if cfg.get("compile") else ""
+    compiled = (
+        ", steps compiled (inductor)"
+        if cfg.get("compile")
+        else ", steps eager (`--compile` runs both decoders compiled, and faster)"
+    )
     if cfg.get("fast_numerics"):
         return (
             ", numerics fast (fp32 attention: bf16 output may drift from plain decoding)" + compiled
