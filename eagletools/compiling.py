@@ -36,8 +36,11 @@ def compile_frozen(fn: Callable, dynamic_sources: str) -> Callable:
     def call(*args):
         on_cpu = all(a.device.type == "cpu" for a in args if isinstance(a, torch.Tensor))
         with (
-            inductor_config.patch(freezing=True, cpp_wrapper=on_cpu and python_headers()),
-            inductor_config.patch(cpu_gemm_template() if on_cpu else {}),
+            inductor_config.patch(
+                freezing=True,
+                cpp_wrapper=on_cpu and python_headers(),
+                **(cpu_gemm_template() if on_cpu else {}),
+            ),
             torch.compiler.config.patch(dynamic_sources=dynamic_sources),
             dynamo_config.patch(recompile_limit=64),  # a graph per shape and cache
         ):

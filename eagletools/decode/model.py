@@ -209,8 +209,9 @@ def attention(q, k, v, mask: torch.Tensor | None, exact: bool = True) -> torch.T
     reproduces plain decoding in bf16. Scores are one product per (query, key)
     and equal bit for bit however many queries share the call (a lone query
     runs as two; pinned in tests); the softmax sum and the value sum, whose
-    rounding follows each key's place in the row, run in float64, where that order moves a result by
-    ~1e-16, 2^-40 of the bf16 step the output is rounded to.
+    rounding follows each key's place in the row, run in float64, where that
+    order moves a result by ~1e-16, 2^-40 of the bf16 step the output is
+    rounded to.
     """
     b, hq, t, d = q.shape
     hkv, s = k.shape[1], k.shape[2]
