@@ -30,8 +30,12 @@ def fresh_state():
 
 @pytest.fixture
 def cuda(fresh_state, monkeypatch):
-    """A machine where torch sees CUDA (only resolution is tested: nothing runs on it)."""
+    """A machine where torch sees CUDA (only resolution is tested: nothing runs on it).
+
+    accelerate 1.16 asks `torch.accelerator` which device there is, before 1.16
+    `torch.cuda`: both answer CUDA here."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a: torch.device("cuda"))
 
 
 @pytest.mark.parametrize("argv", MODEL_COMMANDS, ids=lambda a: " ".join(a[:2]))
