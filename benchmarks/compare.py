@@ -192,9 +192,7 @@ def main() -> None:
     eos = decoders.baseline.eos_ids
     chain = SpeculativeDecoder(
         decoders.runtime, decoders.speculative.draft, tokenizer,
-        1, args.chain_depth, args.chain_depth + 1,
-        forward=decoders.speculative.forward,
-        draft_decode=decoders.speculative.draft_decode,
+        1, args.chain_depth, args.chain_depth + 1, compile=decoders.speculative.compiled,
     )  # fmt: skip
     methods: dict[str, Method] = {
         "HF generate (greedy)": hugging_face(target.model, eos, args.max_new_tokens),

@@ -1,6 +1,6 @@
-"""The compiled target forward (`decode.model.compiled`) and draft step
-(`draft.model.compiled_decode`): what they compute, and that compiled speculative
-decoding still equals compiled plain decoding in bf16.
+"""The compiled target forward (`decode.model.compiled`) and the compiled speculative
+step (`SpeculativeDecoder(compile=True)`): what they compute, and that compiled
+speculative decoding still equals compiled plain decoding in bf16.
 
 Inductor compiles each graph once per process (tens of seconds here), so the
 module shares one runtime per dtype.
@@ -14,9 +14,8 @@ from conftest import smollm2_shaped
 from test_decode_engine import repeat_draft
 from test_decode_exact import path_mismatches
 
-from eagletools.decode import BaselineDecoder, SpeculativeDecoder, Transformer
+from eagletools.decode import BaselineDecoder, Sampling, SpeculativeDecoder, Transformer
 from eagletools.decode.model import compiled
-from eagletools.draft.model import compiled_decode
 
 
 @pytest.fixture(scope="module")
@@ -61,11 +60,49 @@ def test_compiled_speculative_decoding_equals_compiled_plain_decoding_in_bf16(bf
     draft = repeat_draft(model)  # accepted where the target repeats itself
     prompts = [list(range(10, 40)), [5, 9, 200, 17, 3, 250]]
     plain = BaselineDecoder(runtime, None, forward=forward)
-    spec = SpeculativeDecoder(
-        runtime, draft, None, 2, 3, 6, forward=forward, draft_decode=compiled_decode(draft)
-    )
+    spec = SpeculativeDecoder(runtime, draft, None, 2, 3, 6, compile=True)
     for prompt in prompts:
         expected = plain.generate(prompt, 48)
         got = spec.generate(prompt, 48)
         assert got.tokens == expected.tokens
     assert got.tau > 1.25  # the tree paths, compaction and refresh ran
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+@torch.inference_mode()
+def test_compiled_chain_equals_plain_and_compiles_once_per_cache(bf16, depth):
+    """Chains (what autotuning picks on 2 CPU cores) equal compiled plain decoding, and
+    later steps and prompts reuse the step's graph: its length and root token are
+    dynamic, so nothing compiles again while the cache keeps its size. A chain's mask
+    built inside the graph, a constant there, verified 3 rows apart from plain decoding
+    on 3 of 8 random prompts: the decoder passes it in."""
+    model, runtime, forward = bf16
+    plain = BaselineDecoder(runtime, None, forward=forward)
+    spec = SpeculativeDecoder(runtime, repeat_draft(model), None, 1, depth, depth + 1, compile=True)
+    runtime.reserve(200)  # one allocation for every prompt below
+    spec.generate([7, 8, 9], 4)  # compiles
+    taus = []
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for prompt in ([5, 9, 200, 17, 3, 250], list(range(60, 100))):
+            expected = plain.generate(prompt, 40)
+            got = spec.generate(prompt, 40)
+            assert got.tokens == expected.tokens
+            taus.append(got.tau)
+    assert max(taus) > 1.2  # drafts were accepted, the cache compacted
+
+
+@torch.inference_mode()
+def test_compiled_speculative_sampling_follows_the_eager_step():
+    """Sampling through the compiled step (uniforms drawn outside the graph) takes the
+    eager step's decisions in fp32, from the same generator seed."""
+    model = smollm2_shaped()
+    runtime = Transformer.from_hf(model, torch.float32)
+    draft = repeat_draft(model)
+    sampling = Sampling(temperature=1.0, top_p=0.9)
+    runs = {}
+    for compile in (False, True):
+        spec = SpeculativeDecoder(runtime, draft, None, 2, 3, 6, compile=compile)
+        gen = torch.Generator().manual_seed(5)
+        runs[compile] = spec.generate(list(range(10, 40)), 32, sampling, generator=gen)
+    assert runs[True].tokens == runs[False].tokens
+    assert runs[True].accepted == runs[False].accepted

@@ -42,8 +42,8 @@ def add_decoding_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--compile",
         action="store_true",
-        help="compile the target's and the draft's decoding steps with torch.compile "
-        "(inductor, weights frozen): faster steps after about a minute of compiling per shape",
+        help="compile the decoding steps with torch.compile (inductor, weights frozen; "
+        "the speculative step whole): faster steps after a few minutes of compiling per shape",
     )
     p.add_argument(
         "--allow-pickle",

@@ -12,6 +12,7 @@ aux states at p and the token p+1 (docs/design.md 3.5 alignment).
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -19,9 +20,10 @@ from dataclasses import dataclass, field
 import torch
 
 from eagletools import kernels
+from eagletools.compiling import compile_frozen
 from eagletools.cpu_ops import argmax, pack_linears
 from eagletools.decode.graphs import graphed
-from eagletools.decode.model import Transformer, cache_mask, extend_mask, grown
+from eagletools.decode.model import Transformer, cache_mask, causal, extend_mask, grown
 from eagletools.decode.tree import check_tree_shape, grow_tree, max_tree_nodes
 from eagletools.errors import UserError
 
@@ -357,11 +359,13 @@ class BaselineDecoder:
 class SpeculativeDecoder(BaselineDecoder):
     """EAGLE-3 tree speculative decoding (docs/design.md 3.6), lossless.
 
-    Ready for CUDA graphs: a step's shapes are fixed (the verify forward runs
-    `num_draft_tokens` rows, the draft's refresh over the accepted tokens
-    `depth + 1`, padded), the host waits on the device once per step (for the
-    new tokens), and on CUDA both calls replay captured graphs
-    (`cuda_graphs=False`: eager).
+    A step is `_device_step` (draft a tree, verify it, refresh the draft over
+    the accepted tokens), then the KV compaction and the one wait on the
+    device, for the new tokens. Its shapes are fixed by the tree (the verify
+    forward runs `num_draft_tokens` rows, the refresh `depth + 1`, padded), so
+    it can run as one compiled graph (`compile`: the target, the draft and the
+    bookkeeping between them fuse) or, on CUDA, with the verify forward and the
+    refresh replayed from CUDA graphs (`cuda_graphs`, when not compiled).
     """
 
     def __init__(
@@ -374,8 +378,7 @@ class SpeculativeDecoder(BaselineDecoder):
         num_draft_tokens: int = 16,
         max_seq_len: int | None = None,
         cuda_graphs: bool = True,
-        forward: Callable[..., tuple[torch.Tensor, torch.Tensor | None]] | None = None,
-        draft_decode: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
+        compile: bool = False,
     ):
         from eagletools.draft import DraftKVCache
 
@@ -383,10 +386,10 @@ class SpeculativeDecoder(BaselineDecoder):
         check_tree_shape(topk, depth, num_draft_tokens)
         self.topk, self.depth, self.num_draft_tokens = topk, depth, num_draft_tokens
         self.margin = num_draft_tokens + 1
-        super().__init__(model, tokenizer, max_seq_len, forward)
+        super().__init__(model, tokenizer, max_seq_len)
         self.draft = pack_linears(draft.to(model.dtype).eval())
+        self.draft.decode_weights()  # made eagerly: a compiled step reads them frozen
         self.aux_ids = tuple(draft.config.aux_layer_ids)
-        self.draft_decode = draft_decode or self.draft.decode  # or `compiled_decode(draft)`
         self.tree_slots = max_tree_nodes(topk, depth)
         self.path_rows = min(num_draft_tokens, depth + 1)  # most nodes a path holds, root too
         self.cache = DraftKVCache.allocate(
@@ -395,8 +398,16 @@ class SpeculativeDecoder(BaselineDecoder):
         identity = bool((draft.d2t == 0).all())
         self.d2t = None if identity else draft.d2t
         self.draft_len = 0
+        self.chain = (
+            torch.arange(num_draft_tokens, device=model.device),
+            causal(num_draft_tokens, model.device),
+        )
+        self.compiled = compile
         self.verify_forward, self.refresh = self._verify_forward, self._refresh
-        if cuda_graphs:  # on CUDA: captured once per cache allocation, then replayed
+        self.device_step = self._device_step
+        if compile:  # one graph per tree shape and cache allocation
+            self.device_step = compile_frozen(self._device_step, "L['root'],L['length']")
+        elif cuda_graphs:  # on CUDA: captured once per cache allocation, then replayed
             self.verify_forward = graphed(self._verify_forward, model.device, self._caches)
             self.refresh = graphed(self._refresh, model.device, self._caches)
 
@@ -421,7 +432,7 @@ class SpeculativeDecoder(BaselineDecoder):
 
     def _verify_forward(self, tokens, positions, start, mask):
         """The target over the tree: (logits [1,N,V], aux [1,N,A*H])."""
-        return self.forward(tokens, positions, start, mask, self.aux_ids)
+        return self.model(tokens, positions, start, mask, self.aux_ids)
 
     def _refresh(self, aux: torch.Tensor, tokens: torch.Tensor, start: int | torch.Tensor):
         """Draft entries `start..` from the target's aux [n, A*H] and the next tokens [n]:
@@ -434,16 +445,16 @@ class SpeculativeDecoder(BaselineDecoder):
             mask = cache_mask(start, n, self.cache.k.shape[2])
         else:
             mask = extend_mask(start, n, device=tokens.device)
-        logits, h = self.draft_decode(hidden, tokens[None], slots, self.cache, slots, mask)
+        logits, h = self.draft.decode(hidden, tokens[None], slots, self.cache, slots, mask)
         return logits[0], h[0]
 
-    def _draft_step(self, j: int, tokens, hidden, rows):
-        base = self.draft_len
+    def _draft_step(self, base: int, j: int, tokens, hidden, rows):
+        """`tree.DraftStep` over a draft cache of `base` entries."""
         k = tokens.numel()
         slots = torch.arange(base + (j - 1) * k, base + j * k, device=tokens.device)
         positions = torch.full((k,), base + j - 1, device=tokens.device)
         mask = torch.cat([rows.new_ones(k, base), rows], dim=1)
-        logits, h = self.draft_decode(
+        logits, h = self.draft.decode(
             hidden[None], tokens[None], positions, self.cache, slots, mask
         )
         return logits[0], h[0]
@@ -467,16 +478,33 @@ class SpeculativeDecoder(BaselineDecoder):
                 return
 
     def _step(self, root: int, d_logits, d_hidden, sampling: Sampling, generator):
-        """Draft a tree under `root`, verify it, keep the accepted nodes' K/V and refresh
-        the draft over them: (new tokens: the accepted drafts and the bonus, the draft's
-        logits and hidden for the next tree).
+        """One speculative step after `root`, the last token: (new tokens: the accepted
+        drafts and the bonus, the draft's logits and hidden for the next tree).
 
         The host waits on the device once, for the new tokens: everything else
         is queued with shapes that do not depend on how many were accepted.
         """
         length = self.target_len
+        uniforms = None
+        if not sampling.greedy:
+            device = d_logits.device
+            uniforms = torch.rand(1, self.num_draft_tokens + 1, generator=generator, device=device)
+        n_acc, new, sources, d_logits, d_hidden = self.device_step(
+            root, d_logits, d_hidden, length, sampling, uniforms
+        )
+        # outside the graph: inductor copied whole caches to move a few entries after
+        # the forward's writes (30 layers of 4096 slots: 95 ms, eagerly 1.5)
+        self.model.kv_cache.compact(sources, length)
+        n, *tokens = torch.cat([n_acc, new]).tolist()  # the step's one wait on the device
+        return tokens[: n + 1], d_logits, d_hidden
+
+    def _device_step(self, root: int, d_logits, d_hidden, length: int, sampling, uniforms):
+        """Draft a tree under `root`, verify it and refresh the draft over the accepted
+        nodes: (drafts accepted [1], the new tokens [path_rows] padded after the bonus,
+        the cache slots compaction moves [1, path_rows], the draft's logits and hidden
+        at the bonus)."""
         tree = grow_tree(
-            self._draft_step,
+            functools.partial(self._draft_step, length),
             root,
             d_logits,
             d_hidden,
@@ -485,24 +513,24 @@ class SpeculativeDecoder(BaselineDecoder):
             self.depth,
             self.num_draft_tokens,
         )
-        logits, aux = self.verify_forward(
-            tree.tokens[None], length + tree.depths, length, tree.mask
-        )
-        path, n_acc, bonus = self._verify(tree, logits[0], sampling, generator)
+        depths, mask = tree.depths, tree.mask
+        if self.topk == 1:  # a chain: its shape as inputs the graph reads, not constants
+            # (folded in, a 3-node chain verified apart from plain decoding in bf16)
+            depths, mask = self.chain
+        logits, aux = self.verify_forward(tree.tokens[None], length + depths, length, mask)
+        path, n_acc, bonus = self._verify(tree, logits[0], sampling, uniforms)
         nodes = path[0, : self.path_rows]  # root first, -1 after the last accepted
         # after node i comes node i+1's token, after the last accepted one the bonus
         new = torch.cat([tree.tokens[nodes[1:].clamp(min=0)], bonus]).scatter(0, n_acc, bonus)
-        self.model.kv_cache.compact(torch.where(nodes >= 0, length + nodes, -1)[None], length)
+        sources = torch.where(nodes >= 0, length + nodes, -1)[None]
         d_logits, d_hidden = self.refresh(aux[0, nodes.clamp(min=0)], new, length)
         d_logits, d_hidden = d_logits.index_select(0, n_acc)[0], d_hidden.index_select(0, n_acc)[0]
-        n, *tokens = torch.cat([n_acc, new]).tolist()  # the step's one wait on the device
-        return tokens[: n + 1], d_logits, d_hidden
+        return n_acc, new, sources, d_logits, d_hidden
 
-    def _verify(self, tree, logits: torch.Tensor, sampling: Sampling, generator):
+    def _verify(self, tree, logits: torch.Tensor, sampling: Sampling, uniforms):
         tokens, parents = tree.tokens[None], tree.parents[None]
         if sampling.greedy:
             return kernels.verify_greedy(tokens, parents, argmax(logits)[None])
-        uniforms = torch.rand(1, len(tree) + 1, generator=generator, device=logits.device)
         return kernels.verify_sampling(tokens, parents, sampling.probs(logits)[None], uniforms)
 
 

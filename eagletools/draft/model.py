@@ -11,7 +11,7 @@ and a RoPE table (`DecodeWeights`), made from the same weights.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -19,7 +19,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagletools.compiling import compile_frozen
 from eagletools.cpu_ops import linear
 from eagletools.draft.config import DraftConfig
 from eagletools.rope import RotaryEmbedding, apply_rope
@@ -375,21 +374,3 @@ class Eagle3Draft(nn.Module):
         gate, up = linear(layer.post_attention_layernorm(h), fused.gate_up, None).chunk(2, -1)
         h = h + linear(F.silu(gate) * up, layer.mlp.down_proj.weight, None)
         return self.head(h)
-
-
-def compiled_decode(draft: Eagle3Draft) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    """`draft.decode` compiled (`compiling.compile_frozen`): one graph for every call,
-    its rows and attended length dynamic. The draft's rounding decides only what is
-    proposed, never what is accepted, so its graphs need not match each other."""
-
-    def decode(hidden, input_ids, positions, cache, slots, mask):
-        return draft.decode(hidden, input_ids, positions, cache, slots, mask)
-
-    dynamic = "L['hidden'],L['input_ids'],L['positions'],L['slots'],L['mask']"
-    step = compile_frozen(decode, dynamic)
-
-    def call(*args):
-        draft.decode_weights()  # remade eagerly if a weight changed; the step reads it
-        return step(*args)
-
-    return call

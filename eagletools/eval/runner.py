@@ -21,7 +21,6 @@ from eagletools.data.chat import chat_ids, set_chat_template
 from eagletools.decode import BaselineDecoder, Result, Sampling, SpeculativeDecoder, Transformer
 from eagletools.decode.model import compiled
 from eagletools.devices import resolve_device
-from eagletools.draft.model import compiled_decode
 from eagletools.dtypes import dtype_name, parse_dtype
 from eagletools.errors import UserError
 from eagletools.eval.benchmarks import Question
@@ -71,7 +70,7 @@ class Settings:
     device: str = "auto"  # resolved on construction: auto is CUDA where torch sees it, else CPU
     chat_template: str | None = None  # a Jinja file or text, for tokenizers without one
     fast_numerics: bool = False  # fp32 attention reductions (Transformer.set_exact(False))
-    compile: bool = False  # decoding steps by inductor (`compiled`, `compiled_decode`)
+    compile: bool = False  # decoding steps by inductor (`compiled`, the speculative step whole)
     engine: str = "ours"  # or a serving engine (eagletools.engines): vllm, llama.cpp
     engine_port: int | None = None  # a free one is chosen when busy or unset
     engine_timeout: float = 900.0  # seconds a server may take to become ready
@@ -110,7 +109,7 @@ def load_decoders(s: Settings) -> Decoders:
         draft = load_any_draft(s.draft, target, dtype, s.device, s.allow_pickle)
         spec = SpeculativeDecoder(
             runtime, draft, target.tokenizer, s.topk, s.depth, s.num_draft_tokens,
-            forward=forward, draft_decode=compiled_decode(draft) if s.compile else None,
+            compile=s.compile,
         )  # fmt: skip
     return Decoders(target, runtime, baseline, spec)
 
@@ -291,8 +290,7 @@ def autotune(decoders: Decoders, s: Settings, questions: list[Question]) -> dict
     trials, tried = [], []
     for topk, depth, n in AUTOTUNE_GRID:
         decoder = SpeculativeDecoder(
-            decoders.runtime, draft, tokenizer, topk, depth, n,
-            forward=spec.forward, draft_decode=spec.draft_decode,
+            decoders.runtime, draft, tokenizer, topk, depth, n, compile=spec.compiled
         )  # fmt: skip
         gen = torch.Generator(device=s.device).manual_seed(s.seed)
         runs = [_run(_ours(decoder, s, gen), tokenizer, q) for q in sample]
