@@ -48,3 +48,19 @@ def test_attention_products_compile_whole_and_equal_eager():
         k = torch.randn(3, keys, 64, generator=g)
         v = torch.randn(3, keys, 64, generator=g, dtype=torch.float64)
         torch.testing.assert_close(step(q, k, v), scores_then_values(q, k, v))
+
+
+@torch.inference_mode()
+def test_a_graph_rounds_to_bf16_where_the_program_does():
+    """A bf16 result the program rounds before widening it (RoPE's output before the
+    fp32 score product) keeps that rounding in a fused kernel: a row's bits follow
+    the program, not inductor's fusion plan."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    x = torch.randn(3, 2, 64, generator=g).bfloat16()
+    cos, sin = torch.randn(2, 3, 1, 64, generator=g).bfloat16()
+
+    def rotate_then_widen(x, cos, sin):
+        return (x * cos + x.roll(32, -1) * sin).float() * 0.125
+
+    step = compile_frozen(rotate_then_widen, "")
+    assert torch.equal(step(x, cos, sin), rotate_then_widen(x, cos, sin))

@@ -73,9 +73,10 @@ def test_compiled_speculative_decoding_equals_compiled_plain_decoding_in_bf16(bf
 def test_compiled_chain_equals_plain_and_compiles_once_per_cache(bf16, depth):
     """Chains (what autotuning picks on 2 CPU cores) equal compiled plain decoding, and
     later steps and prompts reuse the step's graph: its length and root token are
-    dynamic, so nothing compiles again while the cache keeps its size. A chain's mask
-    built inside the graph, a constant there, verified 3 rows apart from plain decoding
-    on 3 of 8 random prompts: the decoder passes it in."""
+    dynamic, so nothing compiles again while the cache keeps its size. With the tree's
+    depths computed inside the graph, a 3-node chain verified apart from plain decoding
+    on 3 of 8 random prompts until graphs kept the program's bf16 roundings
+    (`compile_frozen`)."""
     model, runtime, forward = bf16
     plain = BaselineDecoder(runtime, None, forward=forward)
     spec = SpeculativeDecoder(runtime, repeat_draft(model), None, 1, depth, depth + 1, compile=True)

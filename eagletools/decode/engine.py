@@ -23,7 +23,7 @@ from eagletools import kernels
 from eagletools.compiling import compile_frozen
 from eagletools.cpu_ops import argmax, pack_linears
 from eagletools.decode.graphs import graphed
-from eagletools.decode.model import Transformer, cache_mask, causal, extend_mask, grown
+from eagletools.decode.model import Transformer, cache_mask, extend_mask, grown
 from eagletools.decode.tree import check_tree_shape, grow_tree, max_tree_nodes
 from eagletools.errors import UserError
 
@@ -398,10 +398,6 @@ class SpeculativeDecoder(BaselineDecoder):
         identity = bool((draft.d2t == 0).all())
         self.d2t = None if identity else draft.d2t
         self.draft_len = 0
-        self.chain = (
-            torch.arange(num_draft_tokens, device=model.device),
-            causal(num_draft_tokens, model.device),
-        )
         self.compiled = compile
         self.verify_forward, self.refresh = self._verify_forward, self._refresh
         self.device_step = self._device_step
@@ -513,11 +509,8 @@ class SpeculativeDecoder(BaselineDecoder):
             self.depth,
             self.num_draft_tokens,
         )
-        depths, mask = tree.depths, tree.mask
-        if self.topk == 1:  # a chain: its shape as inputs the graph reads, not constants
-            # (folded in, a 3-node chain verified apart from plain decoding in bf16)
-            depths, mask = self.chain
-        logits, aux = self.verify_forward(tree.tokens[None], length + depths, length, mask)
+        positions = length + tree.depths
+        logits, aux = self.verify_forward(tree.tokens[None], positions, length, tree.mask)
         path, n_acc, bonus = self._verify(tree, logits[0], sampling, uniforms)
         nodes = path[0, : self.path_rows]  # root first, -1 after the last accepted
         # after node i comes node i+1's token, after the last accepted one the bonus
