@@ -360,12 +360,13 @@ class SpeculativeDecoder(BaselineDecoder):
     """EAGLE-3 tree speculative decoding (docs/design.md 3.6), lossless.
 
     A step is `_device_step` (draft a tree, verify it, refresh the draft over
-    the accepted tokens), then the KV compaction and the one wait on the
-    device, for the new tokens. Its shapes are fixed by the tree (the verify
-    forward runs `num_draft_tokens` rows, the refresh `depth + 1`, padded), so
-    it can run as one compiled graph (`compile`: the target, the draft and the
-    bookkeeping between them fuse) or, on CUDA, with the verify forward and the
-    refresh replayed from CUDA graphs (`cuda_graphs`, when not compiled).
+    the accepted tokens), then the one wait on the device, for the new tokens
+    and their cache slots, and the KV compaction where a slot moves. Its
+    shapes are fixed by the tree (the verify forward runs `num_draft_tokens`
+    rows, the refresh `depth + 1`, padded), so it can run as one compiled
+    graph (`compile`: the target, the draft and the bookkeeping between them
+    fuse) or, on CUDA, with the verify forward and the refresh replayed from
+    CUDA graphs (`cuda_graphs`, when not compiled).
     """
 
     def __init__(
@@ -488,11 +489,15 @@ class SpeculativeDecoder(BaselineDecoder):
         n_acc, new, sources, d_logits, d_hidden = self.device_step(
             root, d_logits, d_hidden, length, sampling, uniforms
         )
+        # the step's one wait on the device: the count, the new tokens and their slots
+        n, *read = torch.cat([n_acc, new, sources[0]]).tolist()
+        slots = read[self.path_rows : self.path_rows + n + 1]
         # outside the graph: inductor copied whole caches to move a few entries after
-        # the forward's writes (30 layers of 4096 slots: 95 ms, eagerly 1.5)
-        self.model.kv_cache.compact(sources, length)
-        n, *tokens = torch.cat([n_acc, new]).tolist()  # the step's one wait on the device
-        return tokens[: n + 1], d_logits, d_hidden
+        # the forward's writes (30 layers of 4096 slots: 95 ms, eagerly 1.5); a path
+        # whose nodes sit in their own slots (a chain's always do) moves none
+        if any(slot != length + i for i, slot in enumerate(slots)):
+            self.model.kv_cache.compact(sources, length)
+        return read[: n + 1], d_logits, d_hidden
 
     def _device_step(self, root: int, d_logits, d_hidden, length: int, sampling, uniforms):
         """Draft a tree under `root`, verify it and refresh the draft over the accepted
