@@ -8,12 +8,15 @@ against `torch.mv` a whole one-token SmolLM2 forward measured 1.006x under
 load 5 (issue 16 measured 1.89x on an idle machine: to be timed again there).
 From a few hundred rows (training) plain `F.linear` wins again. Up to 64 rows the
 packed bf16 product of a row does not depend on how many rows share the call
-(bitwise); fp32 products do. That takes one care: oneDNN has its own kernel for
+(bitwise); fp32 products do. That takes two cares. oneDNN has its own kernel for
 a single row, which on AVX-512 CPUs without AMX rounds some outputs apart from
 the many-row kernel (6 of 64 rows at [576, 1536], SmolLM2's down projection),
 so under exact numerics a lone row runs as two. That costs 23% of a token's
 linears (SmolLM2's 121 and its head: 17.9 against 14.6 ms, median of 7, idle
-machine without AMX); `--fast-numerics` skips it. The packed copy lives
+machine without AMX). And on a Xeon with AMX, products of 33 to 64 rows
+rounded apart from 32 or fewer (every such row count, at all three of
+SmolLM2's shapes tested): rows run in blocks of at most 32, on every CPU.
+`--fast-numerics` skips both. The packed copy lives
 beside the weight and is remade when the weight changes, so it doubles the
 memory of the layers that use it. Without grad only: it has no backward.
 
@@ -66,11 +69,20 @@ def packed_linear(
     invariant: bool = True,
 ) -> torch.Tensor:
     """`F.linear` through the packed copy of a bf16 CPU `weight` (no grad); `invariant`:
-    a lone row goes through the many-row kernel too (module docstring)."""
-    if invariant and x.numel() == x.shape[-1]:
-        pair = x.reshape(1, -1).expand(2, -1).contiguous()
-        return _packed_linear(pair, packed_weight(weight), bias)[:1].view(*x.shape[:-1], -1)
-    return _packed_linear(x.contiguous(), packed_weight(weight), bias)
+    rows go in blocks of at most `INVARIANT_ROWS`, a lone row as two (module docstring)."""
+    packed = packed_weight(weight)
+    if not invariant:
+        return _packed_linear(x.contiguous(), packed, bias)
+    rows = x.reshape(-1, x.shape[-1])
+    blocks = [_invariant_block(block, packed, bias) for block in rows.split(INVARIANT_ROWS)]
+    out = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+    return out.view(*x.shape[:-1], -1)
+
+
+def _invariant_block(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None):
+    if len(rows) == 1:  # oneDNN's lone-row kernel rounds apart from the many-row one
+        return _packed_linear(rows.expand(2, -1).contiguous(), packed, bias)[:1]
+    return _packed_linear(rows.contiguous(), packed, bias)
 
 
 def packed_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -89,6 +101,8 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 PACKED_MAX_ROWS = 64  # beyond, F.linear's own packing pays off (2 threads, bf16)
+# above 32 rows oneDNN's AMX kernel takes over where the CPU has AMX, and rounds apart
+INVARIANT_ROWS = 32
 
 
 def linear(

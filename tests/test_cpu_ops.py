@@ -94,12 +94,13 @@ def test_a_rows_product_does_not_depend_on_the_other_rows(out_features, in_featu
     """Batch invariance (docs/design.md 3.6): up to 64 rows, row i of a packed bf16
     product has the same bits as row i alone, so a tree verify and one-token
     decoding give a token the same logits. SmolLM2's shapes; [576, 1536] failed for
-    6 of 64 lone rows on an AVX-512 CPU without AMX before lone rows ran as two."""
+    6 of 64 lone rows on an AVX-512 CPU without AMX before lone rows ran as two, and
+    every count of 33 to 64 rows on a Xeon with AMX before rows ran in blocks of 32."""
     g = torch.Generator().manual_seed(out_features)
     w = torch.randn(out_features, in_features, generator=g).bfloat16()
     x = torch.randn(64, in_features, generator=g).bfloat16()
     with torch.no_grad():
         alone = torch.cat([linear(x[i : i + 1], w, None) for i in range(64)])
         assert torch.equal(linear(x[7].view(1, 1, -1), w, None).view(1, -1), alone[7:8])
-        for rows in (2, 5, 16, 32, 64):
+        for rows in (2, 5, 16, 32, 33, 63, 64):
             assert torch.equal(linear(x[:rows], w, None), alone[:rows])
