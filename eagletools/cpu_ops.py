@@ -74,8 +74,10 @@ def packed_linear(
     if not invariant:
         return _packed_linear(x.contiguous(), packed, bias)
     rows = x.reshape(-1, x.shape[-1])
-    blocks = [_invariant_block(block, packed, bias) for block in rows.split(INVARIANT_ROWS)]
-    out = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+    if len(rows) <= INVARIANT_ROWS:  # a decoded token or a tree: one call, no split
+        out = _invariant_block(rows, packed, bias)
+    else:
+        out = torch.cat([_invariant_block(b, packed, bias) for b in rows.split(INVARIANT_ROWS)])
     return out.view(*x.shape[:-1], -1)
 
 
