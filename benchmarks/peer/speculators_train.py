@@ -5,7 +5,7 @@ after tokenising: the verifier's hidden states of every conversation (their
 generator needs a vLLM server; here our target writes the same states in
 their file layout: the aux layers, whose numbering is theirs, then the last
 decoder layer's output before the final norm, which their loss normalises
-itself), a 3-step calibration, then their trainer on the CPU for the time left
+itself), a 20-step calibration, then their trainer on the CPU for the time left
 (benchmarks/peer/speculators_cpu.py). Its step count is set from the
 calibration so that their linear schedule ends inside the budget; a run still
 going at the deadline is interrupted (their handler saves a checkpoint).
@@ -27,6 +27,13 @@ which eagletools does not read (formats/speculators.py refuses it).
         --output-dir runs/peer/demo --minutes 20
     .venv/bin/python benchmarks/peer/speculators_train.py recipes/smollm2-135m-cpu.yaml \\
         --output-dir runs/peer/ours --score runs/demo/eagle
+
+The long recipe's regenerated data, once `eagletools train` has written it
+(both trainers then share its minutes; the peer captures its own states):
+
+    .venv/bin/python benchmarks/peer/speculators_train.py recipes/smollm2-135m-cpu-long.yaml \\
+        data.train=runs/long/regenerated.jsonl data.regenerate.enabled=false data.offline=false \\
+        --output-dir runs/peer/long --minutes 46.8 -- --total-seq-len 1024 --lr 3e-3 --muon-lr 3e-3
 
 `--score DRAFT` measures any draft the same way (held-out and MT-bench) and
 trains nothing. `--reuse-data` keeps OUT/data from an earlier run and charges
@@ -53,7 +60,9 @@ ROOT = Path(__file__).resolve().parents[2]
 SPEC_PYTHON = ROOT / ".venv-speculators" / "bin" / "python"
 INNER = Path(__file__).with_name("speculators_cpu.py")
 EAGLETOOLS = Path(sys.executable).with_name("eagletools")
-CALIBRATION_STEPS = 3
+# its first steps run slower: 3 steps timed 1.51 s a step against 0.87 after (long recipe),
+# which left 40% of the budget unused; over 20 the first ones weigh ~10%
+CALIBRATION_STEPS = 20
 # what this CPU forces on `speculators train` (the failures: speculators_cpu.py)
 CPU_ARGS = [
     "--num-workers=0",  # default 12 spawned loader processes, on 2 cores
