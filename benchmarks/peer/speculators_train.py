@@ -61,7 +61,7 @@ SPEC_PYTHON = ROOT / ".venv-speculators" / "bin" / "python"
 INNER = Path(__file__).with_name("speculators_cpu.py")
 EAGLETOOLS = Path(sys.executable).with_name("eagletools")
 # its first steps run slower: 3 steps timed 1.51 s a step against 0.87 after (long recipe),
-# which left 40% of the budget unused; over 20 the first ones weigh ~10%
+# which left 40% of the budget unused; 20 spread the first ones' cost (not yet timed)
 CALIBRATION_STEPS = 20
 # what this CPU forces on `speculators train` (the failures: speculators_cpu.py)
 CPU_ARGS = [
