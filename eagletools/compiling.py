@@ -4,6 +4,9 @@ step to step dynamic from the first call."""
 from __future__ import annotations
 
 import functools
+import os
+import shutil
+import sys
 import sysconfig
 from collections.abc import Callable
 from pathlib import Path
@@ -57,6 +60,21 @@ def compile_frozen(fn: Callable, dynamic_sources: str) -> Callable:
             return compiled(*args)
 
     return call
+
+
+def require_cpu_compiler(field: str) -> None:
+    """Fail before training starts where inductor could not build its CPU kernels:
+    otherwise the first step, minutes in, dies inside torch with a compiler trace."""
+    from eagletools.errors import UserError
+
+    # inductor's own choice (torch._inductor.config.cpp.cxx)
+    cxx = os.environ.get("CXX", "clang++" if sys.platform == "darwin" else "g++")
+    if shutil.which(cxx) is None:
+        raise UserError(
+            f"{field}: true compiles the training step for the CPU, which needs the C++ "
+            f"compiler {cxx!r} (inductor's; the CXX environment variable names another), "
+            f"and it is not on PATH: install it (e.g. `apt install g++`) or set {field}=false"
+        )
 
 
 @functools.cache

@@ -290,6 +290,14 @@ def test_compiled_unroll_follows_the_eager_losses(tmp_path, monkeypatch):
     assert abs(metrics["loss"] - eager_metrics["loss"]) <= 1e-4 * eager_metrics["loss"]
 
 
+def test_compile_without_a_cpu_compiler_is_refused_before_training(tmp_path, monkeypatch):
+    monkeypatch.setenv("CXX", "no-such-cxx-eagletools")
+    config = tiny_config("training.max_steps=2", "training.compile=true")
+    with pytest.raises(UserError, match="training.compile.*no-such-cxx-eagletools.*apt install"):
+        run(tmp_path, config)
+    assert not (tmp_path / "out" / "final").exists()
+
+
 def test_resume_refuses_another_recipe(tmp_path):
     run(tmp_path, tiny_config("training.max_steps=3"), "r")
     with pytest.raises(UserError, match="another recipe"):

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from eagletools.atomic import atomic_file, write_text
+from eagletools.compiling import require_cpu_compiler
 from eagletools.data.batch import SampleSource
 from eagletools.errors import UserError
 from eagletools.stages import Stage, run_stages
@@ -330,6 +331,8 @@ class Trainer:
             )  # fmt: skip
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
         if t.compile:  # one graph over all sequence lengths (held-out evaluation stays eager)
+            if self.device.type == "cpu":
+                require_cpu_compiler("training.compile")
             self.model = torch.compile(self.model, backend="inductor", dynamic=True)
         self.draft = self._unwrapped().draft
 
