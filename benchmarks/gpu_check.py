@@ -234,7 +234,7 @@ class Context:
         """Device copy bandwidth, bytes/s (read + write), measured once."""
         if self._bandwidth is None:
             if self.cuda:
-                self._bandwidth = repo_module("benchmarks/kernels.py").copy_bandwidth(self.device)
+                self._bandwidth = repo_module("benchmarks/kernel_bench.py").copy_bandwidth(self.device)
             else:
                 src = torch.empty(2**25, dtype=torch.uint8)
                 dst = torch.empty_like(src)
@@ -247,7 +247,7 @@ class Context:
 
 
 def repo_module(path: str) -> ModuleType:
-    """A module of this checkout by its path (`benchmarks/kernels.py`), imported once.
+    """A module of this checkout by its path (`benchmarks/kernel_bench.py`), imported once.
 
     By path, not as `tests.x`: neither folder is a package, and a `tests` package
     installed in site-packages would win over a namespace one.

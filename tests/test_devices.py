@@ -108,4 +108,5 @@ def test_the_bf16_speedup_is_measured_once():
 
     cpu_bf16_speedup.cache_clear()
     first = cpu_bf16_speedup()
-    assert 0.05 < first < 20 and cpu_bf16_speedup() == first
+    # a CPU without bf16 units measured 0.013 (2-core EPYC, 2026-12-04)
+    assert 0 < first < 20 and cpu_bf16_speedup() == first

@@ -1,5 +1,5 @@
 """Each Triton kernel against its reference: in the interpreter on CPU, or
-compiled on a GPU with EAGLETOOLS_KERNEL_TEST_DEVICE=cuda (benchmarks/kernels.py --check).
+compiled on a GPU with EAGLETOOLS_KERNEL_TEST_DEVICE=cuda (benchmarks/kernel_bench.py --check).
 
 Inputs are drawn per test; outputs are poisoned (NaN / a sentinel) before each
 run so a kernel that skips an element fails. Tolerances: fp32 1e-5 relative,
@@ -217,7 +217,7 @@ def test_dispatch(monkeypatch):
 def test_kernels_compile_for_hopper():
     """The compiler, not the interpreter, accepts every kernel (no GPU needed)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "kernels.py"
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "kernel_bench.py"
     cmd = [sys.executable, str(script), "--compile-only", "--arch", "90"]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]

@@ -6,10 +6,10 @@ time of the Triton kernel and of the reference (`triton.testing.do_bench`,
 both on the GPU), and the memory-bandwidth floor: the bytes the kernel must
 move over this GPU's measured copy bandwidth.
 
-    python benchmarks/kernels.py            # the table (needs CUDA)
-    python benchmarks/kernels.py --check    # the kernel tests first (compiled on a
+    python benchmarks/kernel_bench.py            # the table (needs CUDA)
+    python benchmarks/kernel_bench.py --check    # the kernel tests first (compiled on a
                                             # GPU, in the Triton interpreter on CPU)
-    python benchmarks/kernels.py --compile-only [--arch 90]
+    python benchmarks/kernel_bench.py --compile-only [--arch 90]
         # no GPU needed: compile every kernel for sm_90 at the table's shapes with
         # Triton's bundled ptxas; reports registers and spills
 """
@@ -312,7 +312,7 @@ def main() -> int:
             return code
     if not cuda:
         print(
-            "benchmarks/kernels.py times Triton kernels on a CUDA GPU and none is available "
+            "benchmarks/kernel_bench.py times Triton kernels on a CUDA GPU and none is available "
             "(torch.cuda.is_available() is False). On CPU, --check runs the kernel tests "
             "in the Triton interpreter.",
             file=sys.stderr,
