@@ -19,7 +19,9 @@ Data: the recipe's prepared conversations and split (`data.eval_samples`,
 `--train-data-ratio` set so their validation split is exactly our held-out.
 The draft vocabulary comes from their `token_freq.pt` over the training rows
 (their selection rule, which is ours), of the recipe's size. Their defaults
-hold except what this CPU forces (CPU_ARGS) and `--no-norm-before-fc`:
+hold except what this CPU forces (CPU_ARGS), their autocast dtype
+(`--hidden-states-dtype`: the one our `precision: auto` picks here, unless
+given after `--`) and `--no-norm-before-fc`:
 their eagle3 default puts one RMSNorm over the concatenated aux states,
 which eagletools does not read (formats/speculators.py refuses it).
 
@@ -89,17 +91,27 @@ def their_states(model: torch.nn.Module, ids: torch.Tensor, layers: list[int]) -
     return torch.cat([aux, last[0][0]], dim=-1).unflatten(-1, (len(layers) + 1, -1))
 
 
+def peer_dtype() -> str:
+    """Their autocast dtype, chosen as `training.precision: auto` chooses ours: their
+    bf16 default runs 77x slower than fp32 on a CPU without bf16 dot products
+    (an AVX2 EPYC, 2026-12-03), which would compare our fp32 with their emulation."""
+    from eagletools.devices import fast_matmul_dtype
+
+    return str(fast_matmul_dtype(torch.device("cpu"))).removeprefix("torch.")
+
+
 def write_data(config: Any, out: Path, train_samples: int | None) -> dict[str, Any]:
     """Their data folder: a `datasets` table and hidden_states/hs_{row}.safetensors."""
     import datasets
     from safetensors.torch import save_file
 
-    from eagletools.dtypes import parse_dtype
-    from eagletools.target import default_aux_layer_ids, load_target
+    from eagletools.target import default_aux_layer_ids
     from eagletools.train.data import split_indices, trainable
-    from eagletools.train.trainer import online_inputs
+    from eagletools.train.trainer import load_teacher, online_inputs
 
-    target = load_target(config.target.spec, parse_dtype(config.target.dtype))
+    # our online teacher's dtype: bf16 forwards captured 195 conversations in 19 minutes
+    # on a CPU without bf16 dot products (an AVX2 EPYC), where ours trains in fp32
+    target = load_teacher(config)
     source = online_inputs(config, target=target).source
     train_idx, eval_idx = split_indices(len(source), config.data.eval_samples, config.training.seed)
     train_idx, eval_idx = trainable(source, train_idx)[0], trainable(source, eval_idx)[0]
@@ -254,6 +266,8 @@ def train(args: argparse.Namespace, config: Any, extra: list[str]) -> dict[str, 
     deadline = start + 60 * args.minutes
     print(f"data: {json.dumps(info)}", flush=True)
     rows = info["train_rows"] + info["eval_rows"]
+    if not any(a.startswith("--hidden-states-dtype") for a in extra):
+        extra = [*extra, f"--hidden-states-dtype={peer_dtype()}"]
     common = [
         "--verifier-name-or-path", str(target),
         "--draft-vocab-size", str(config.vocab.draft_vocab_size),
