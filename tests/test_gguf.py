@@ -34,6 +34,9 @@ EXCLUDED = {"general.name", "general.size_label"}
 VOCAB = 320
 TARGET_LAYERS = 6
 AUX_IDS = {"eagle": [2, 3, 3], "speculators": [1, 4, 5]}  # eagle: the target default (see docs)
+# the speculators draft takes the residual after hidden_norm, as speculators trains (and the long
+# recipe); llama.cpp's converter reads the flag from its config
+NORM_BEFORE_RESIDUAL = {"eagle": False, "speculators": True}
 
 
 def byte_fallback_tokenizer():
@@ -71,7 +74,9 @@ def case(tmp_path_factory) -> Path:
     target.save_pretrained(root / "target")
     byte_fallback_tokenizer().save_pretrained(root / "target")
     for layout, ids in AUX_IDS.items():
-        ckpt = make_ckpt(vocab_size=VOCAB, aux_layer_ids=ids)
+        ckpt = make_ckpt(
+            vocab_size=VOCAB, aux_layer_ids=ids, norm_before_residual=NORM_BEFORE_RESIDUAL[layout]
+        )
         save_checkpoint(ckpt, root / layout, layout, dtype="bf16")
     return root
 
@@ -134,8 +139,10 @@ def test_matches_llamacpp_converter_live(case, layout):
     theirs, mine = llamacpp_convert(case, layout), ours(case, layout)
     assert snapshot(mine) == snapshot(theirs)
     assert tensor_bytes(mine) == tensor_bytes(theirs)  # bitwise: bf16, f32 and the i64 d2t
-    layers = gguf.GGUFReader(mine).fields["eagle3.target_layers"].contents()
-    assert layers == AUX_IDS[layout]  # HF indexing as trained (eagle file: ids - 1 on disk)
+    fields = gguf.GGUFReader(mine).fields
+    # HF ids, as trained (the eagle file holds ids - 1)
+    assert fields["eagle3.target_layers"].contents() == AUX_IDS[layout]
+    assert fields["eagle3.norm_before_residual"].contents() is NORM_BEFORE_RESIDUAL[layout]
 
 
 def test_pinned_fixture_is_llamacpps_output(case):
