@@ -234,7 +234,9 @@ class Context:
         """Device copy bandwidth, bytes/s (read + write), measured once."""
         if self._bandwidth is None:
             if self.cuda:
-                self._bandwidth = repo_module("benchmarks/kernel_bench.py").copy_bandwidth(self.device)
+                self._bandwidth = repo_module("benchmarks/kernel_bench.py").copy_bandwidth(
+                    self.device
+                )
             else:
                 src = torch.empty(2**25, dtype=torch.uint8)
                 dst = torch.empty_like(src)

@@ -20,8 +20,8 @@ Data: the recipe's prepared conversations and split (`data.eval_samples`,
 The draft vocabulary comes from their `token_freq.pt` over the training rows
 (their selection rule, which is ours), of the recipe's size. Their defaults
 hold except what this CPU forces (CPU_ARGS), their autocast dtype
-(`--hidden-states-dtype`: the one our `precision: auto` picks here, unless
-given after `--`) and `--no-norm-before-fc`:
+(`--hidden-states-dtype`: the one the recipe's `training.precision` trains ours
+in here, unless given after `--`) and `--no-norm-before-fc`:
 their eagle3 default puts one RMSNorm over the concatenated aux states,
 which eagletools does not read (formats/speculators.py refuses it).
 
@@ -91,13 +91,14 @@ def their_states(model: torch.nn.Module, ids: torch.Tensor, layers: list[int]) -
     return torch.cat([aux, last[0][0]], dim=-1).unflatten(-1, (len(layers) + 1, -1))
 
 
-def peer_dtype() -> str:
-    """Their autocast dtype, chosen as `training.precision: auto` chooses ours: their
-    bf16 default runs 77x slower than fp32 on a CPU without bf16 dot products
-    (an AVX2 EPYC, 2026-12-03), which would compare our fp32 with their emulation."""
-    from eagletools.devices import fast_matmul_dtype
+def peer_dtype(config: Any) -> str:
+    """Their autocast dtype: the one the recipe's `training.precision` trains ours in here.
+    Their bf16 default would pit our fp32 against bf16 products at 0.013x fp32's speed
+    on a CPU without bf16 dot products (a 2-core AVX2 EPYC)."""
+    from eagletools.dtypes import dtype_name
+    from eagletools.train.trainer import training_dtype
 
-    return str(fast_matmul_dtype(torch.device("cpu"))).removeprefix("torch.")
+    return dtype_name(str(training_dtype(config.training.precision, torch.device("cpu"))))
 
 
 def write_data(config: Any, out: Path, train_samples: int | None) -> dict[str, Any]:
@@ -267,7 +268,7 @@ def train(args: argparse.Namespace, config: Any, extra: list[str]) -> dict[str, 
     print(f"data: {json.dumps(info)}", flush=True)
     rows = info["train_rows"] + info["eval_rows"]
     if not any(a.startswith("--hidden-states-dtype") for a in extra):
-        extra = [*extra, f"--hidden-states-dtype={peer_dtype()}"]
+        extra = [*extra, f"--hidden-states-dtype={peer_dtype(config)}"]
     common = [
         "--verifier-name-or-path", str(target),
         "--draft-vocab-size", str(config.vocab.draft_vocab_size),
