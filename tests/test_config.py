@@ -59,6 +59,7 @@ def test_unknown_key_names_the_key_and_the_file(tmp_path):
         ("training.precision=fp16", "training.precision must be auto, bf16 or fp32"),
         ("tracking.report_to=mlflow", "tracking.report_to must be none, wandb or tensorboard"),
         ("training.optimizer=sgd", "training.optimizer must be adamw or muon"),
+        ("training.schedule=step", "training.schedule must be cosine or linear"),
         ("training.teacher_argmax_weight=1.5", "training.teacher_argmax_weight must be in"),
         ("training.teacher_temperature=0", "training.teacher_temperature must be positive"),
         ("training.drop_missed=1", "training.drop_missed must be bool"),

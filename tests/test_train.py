@@ -13,7 +13,7 @@ from eagletools.target import Target, TargetInfo
 from eagletools.train import trainer as trainer_mod
 from eagletools.train.data import plan_epoch, split_indices
 from eagletools.train.recipe import load_config
-from eagletools.train.trainer import Trainer, online_inputs, train
+from eagletools.train.trainer import Trainer, lr_factor, online_inputs, train
 from eagletools.train.ttt import TTTModel
 
 
@@ -509,3 +509,15 @@ def test_regenerate_refuses_a_tokenised_dataset(tmp_path):
     with pytest.raises(UserError, match="tokenised dataset was passed.*data.regenerate.enabled"):
         train(config, tmp_path / "o", target=tiny_target(), dataset=random_dataset())
     assert not (tmp_path / "o").exists()  # refused before anything is written
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear"])
+def test_lr_schedule_warms_up_then_decays_to_the_floor(schedule):
+    """Warmup reaches the full rate at its last step; both decays start at 1, end at
+    min_ratio, and differ in between (a quarter in: cosine 0.854, linear 0.75)."""
+    factor = lambda step, progress: lr_factor(step, progress, 4, 0.1, schedule)  # noqa: E731
+    assert [factor(s, 0.0) for s in range(4)] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    assert factor(4, 0.0) == pytest.approx(1.0)
+    assert factor(9, 1.0) == factor(9, 1.5) == pytest.approx(0.1)
+    quarter = {"cosine": 0.1 + 0.9 * 0.5 * (1 + 2**-0.5), "linear": 0.1 + 0.9 * 0.75}
+    assert factor(6, 0.25) == pytest.approx(quarter[schedule])

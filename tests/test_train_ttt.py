@@ -72,7 +72,7 @@ def tiny_draft(vocab=64, draft_vocab=32, seed=0, **flags) -> Eagle3Draft:
     return draft
 
 
-def dense_unroll(draft, input_ids, aux, loss_mask, probs, argmax, steps, decay):
+def dense_unroll(draft, input_ids, aux, loss_mask, probs, argmax, steps, decay, train_oov=False):
     """Step-by-step reference: explicit shifted copies and a dense mask."""
     b, t = input_ids.shape
     c = draft.config
@@ -97,7 +97,7 @@ def dense_unroll(draft, input_ids, aux, loss_mask, probs, argmax, steps, decay):
                 src = pos + 1 + j
                 if pos + 2 + j >= t or not loss_mask[bi, pos + 2 + j]:
                     continue
-                if not draft.t2d[argmax[bi, src]]:
+                if not train_oov and not draft.t2d[argmax[bi, src]]:
                     terms.append(torch.zeros(()))
                     continue
                 terms.append(-(probs[bi, src] * logp[bi, pos]).sum())
@@ -120,17 +120,20 @@ def batch(draft, b=2, t=12, seed=1):
     return input_ids, aux, loss_mask, probs, argmax
 
 
+@pytest.mark.parametrize("train_oov", [False, True], ids=["in-vocab", "train-oov"])
 @pytest.mark.parametrize("eagle31", [False, True], ids=["eagle3", "eagle3.1"])
-def test_unroll_matches_dense_reference(eagle31):
+def test_unroll_matches_dense_reference(eagle31, train_oov):
     draft = tiny_draft(fc_norm=eagle31, norm_output=eagle31)
     if eagle31:  # norm weights away from 1, so that a missing or misplaced norm shows
         with torch.no_grad():
             for p in [*draft.fc_norm.parameters(), draft.norm.weight]:
                 p.uniform_(0.5, 2.0)
     inputs = batch(draft)
-    model = TTTModel(draft, steps=4, decay=0.8, chunk=5)
+    model = TTTModel(draft, steps=4, decay=0.8, chunk=5, train_oov=train_oov)
     loss, stats = model(*inputs)
-    ref = dense_unroll(draft, *inputs, steps=4, decay=0.8)
+    ref = dense_unroll(draft, *inputs, steps=4, decay=0.8, train_oov=train_oov)
+    # half the target vocab is outside the draft's: the two losses must differ
+    assert not draft.t2d[inputs[4]].all()
     torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)
     grads = torch.autograd.grad(loss, list(draft.fc.parameters()) + [draft.lm_head.weight])
     refs = torch.autograd.grad(ref, list(draft.fc.parameters()) + [draft.lm_head.weight])

@@ -100,6 +100,8 @@ class TrainingSection:
     # apart from ttt_steps so that runs trained at different depths compare
     drop_missed: bool = False  # GRIFFIN-style: step k >= 1 trains only the positions
     # where every earlier step hit the target's argmax (the ones a chain reaches)
+    train_oov: bool = False  # also train where the target's argmax is outside the draft
+    # vocab (speculators does): the teacher there is its in-vocab distribution
     teacher_temperature: float = 1.0  # < 1 sharpens the teacher toward its argmax
     teacher_argmax_weight: float = 0.0  # w: teacher = (1-w) p + w onehot(argmax)
     optimizer: str = "adamw"  # adamw | muon (Muon for the hidden 2-D weights, AdamW else)
@@ -109,13 +111,14 @@ class TrainingSection:
     weight_decay: float = 0.0
     warmup_ratio: float = 0.015
     warmup_steps: int | None = None  # overrides warmup_ratio
-    min_lr_ratio: float = 0.0  # cosine decays to lr * min_lr_ratio
+    schedule: str = "cosine"  # cosine | linear: the decay after warmup (speculators: linear)
+    min_lr_ratio: float = 0.0  # the decay ends at lr * min_lr_ratio
     grad_clip: float = 0.5
     batch_size: int = 1  # per process, per micro-batch
     grad_accum: int = 1
     num_epochs: float = 1.0
     max_steps: int | None = None  # optimizer steps; overrides num_epochs
-    max_minutes: float | None = None  # stop after this much training time; the cosine
+    max_minutes: float | None = None  # stop after this much training time; the
     # schedule then follows the larger of the step and the time progress
     precision: str = "auto"  # bf16 (autocast) | fp32 (either spelling) | auto: the device's
     # faster matmul dtype (bf16 on GPUs and CPUs with AMX, fp32 on other CPUs); fp32 also
@@ -192,6 +195,11 @@ class TrainConfig:
                 "must be in [0, 1]",
             ),
             (t.optimizer in ("adamw", "muon"), "training.optimizer", "must be adamw or muon"),
+            (
+                t.schedule in ("cosine", "linear"),
+                "training.schedule",
+                "must be cosine or linear",
+            ),
             (t.muon_lr_ratio > 0, "training.muon_lr_ratio", "must be positive"),
             (
                 not (self.draft.freeze_head and self.draft.init_head_from_target),
@@ -222,8 +230,11 @@ class TrainConfig:
                 "training.warmup_steps",
                 "must be >= 0",
             ),
-            (t.precision in ("auto", "bf16", "fp32"), "training.precision",
-             "must be auto, bf16 or fp32"),
+            (
+                t.precision in ("auto", "bf16", "fp32"),
+                "training.precision",
+                "must be auto, bf16 or fp32",
+            ),
             (t.keep_last >= 1, "training.keep_last", "must be at least 1"),
             (t.max_bad_steps >= 1, "training.max_bad_steps", "must be at least 1"),
             (t.attn_chunk >= 1, "training.attn_chunk", "must be at least 1"),

@@ -66,12 +66,16 @@ class TrainInputs:
     identity: dict[str, Any]
 
 
-def lr_factor(step: int, progress: float, warmup_steps: int, min_ratio: float) -> float:
-    """Linear warmup over `warmup_steps`, then cosine over `progress` in [0, 1]."""
+def lr_factor(
+    step: int, progress: float, warmup_steps: int, min_ratio: float, schedule: str = "cosine"
+) -> float:
+    """Linear warmup over `warmup_steps`, then a cosine or linear decay over `progress`
+    in [0, 1]."""
     if step < warmup_steps:
         return (step + 1) / warmup_steps
-    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-    return min_ratio + (1 - min_ratio) * cosine
+    done = min(1.0, progress)
+    decay = 0.5 * (1 + math.cos(math.pi * done)) if schedule == "cosine" else 1 - done
+    return min_ratio + (1 - min_ratio) * decay
 
 
 def online_inputs(config: TrainConfig, target: Any = None, dataset: Any = None) -> TrainInputs:
@@ -306,7 +310,7 @@ class Trainer:
             with torch.no_grad():
                 draft.lm_head.weight.copy_(self.inputs.lm_head_weight[self.vocab.selected])
             draft.lm_head.weight.requires_grad_(False)
-        return TTTModel(draft, t.ttt_steps, t.ttt_decay, t.attn_chunk, t.drop_missed)
+        return TTTModel(draft, t.ttt_steps, t.ttt_decay, t.attn_chunk, t.drop_missed, t.train_oov)
 
     def _setup_optimizer(self, model: TTTModel) -> None:
         """AdamW (or Muon and AdamW) over the trainable weights; accelerate wraps model and
@@ -470,7 +474,9 @@ class Trainer:
 
     def _set_lr(self) -> float:
         t = self.config.training
-        lr = t.lr * lr_factor(self.state.step, self._progress(), self.warmup, t.min_lr_ratio)
+        lr = t.lr * lr_factor(
+            self.state.step, self._progress(), self.warmup, t.min_lr_ratio, t.schedule
+        )
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         return lr
@@ -537,7 +543,7 @@ class Trainer:
                 _, stats = model(
                     batch.input_ids.to(self.device), aux.to(self.device),
                     batch.loss_mask.to(self.device), probs, argmax, steps=t.eval_ttt_steps,
-                    drop_missed=False,
+                    drop_missed=False, train_oov=False,
                 )  # fmt: skip
             total.add_(stats, torch.tensor(chunk, device=self.device))
         per_sample = total.map(lambda x: self.accelerator.reduce(x, "sum"))

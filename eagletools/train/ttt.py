@@ -195,6 +195,9 @@ class TTTModel(nn.Module):
 
     `drop_missed` (GRIFFIN-style): step k >= 1 trains only the positions where every
     earlier step hit the target's argmax, the only ones a chain can reach there.
+    `train_oov`: also train the positions whose target argmax is outside the draft
+    vocab; the draft can never be accepted there, but its teacher, the target's
+    distribution over the draft vocab, still shapes the shared features.
     """
 
     def __init__(
@@ -204,10 +207,11 @@ class TTTModel(nn.Module):
         decay: float = 0.8,
         chunk: int = 512,
         drop_missed: bool = False,
+        train_oov: bool = False,
     ):
         super().__init__()
         self.draft, self.steps, self.decay, self.chunk = draft, steps, decay, chunk
-        self.drop_missed = drop_missed
+        self.drop_missed, self.train_oov = drop_missed, train_oov
 
     def forward(
         self,
@@ -219,14 +223,15 @@ class TTTModel(nn.Module):
         norm: torch.Tensor | None = None,
         steps: int | None = None,
         drop_missed: bool | None = None,
+        train_oov: bool | None = None,
     ) -> tuple[torch.Tensor, StepStats]:
         """Right-padded batch [B,T] -> (loss, per-sample stats).
 
         loss = sum_j decay^j * loss_sum_j / norm_j; `norm` [K] defaults to the
         local masked counts. The trainer passes global counts (over ranks and
         accumulation steps) so any split of a batch gives the same gradient.
-        `steps` and `drop_missed` override the model's (held-out evaluation).
-        Dropped positions stay in `norm` and in the stats' counts and hits.
+        `steps`, `drop_missed` and `train_oov` override the model's (held-out
+        evaluation). Dropped positions stay in `norm` and in the stats' counts and hits.
         """
         draft = self.draft
         b, t = input_ids.shape
@@ -234,6 +239,7 @@ class TTTModel(nn.Module):
         positions = torch.arange(t, device=input_ids.device)
         t2d = draft.t2d
         drop = self.drop_missed if drop_missed is None else drop_missed
+        oov = self.train_oov if train_oov is None else train_oov
         k0 = v0 = None
         diag_k: list[torch.Tensor] = []
         diag_v: list[torch.Tensor] = []
@@ -258,7 +264,8 @@ class TTTModel(nn.Module):
             mask = _shift(loss_mask, 2 + j).float()
             logp = torch.log_softmax(logits.float(), dim=-1)
             ce = -(probs * logp).sum(-1)
-            row_sums = (ce * mask * t2d[wanted] * (alive if drop else 1.0)).sum(-1)
+            in_vocab = 1.0 if oov else t2d[wanted]
+            row_sums = (ce * mask * in_vocab * (alive if drop else 1.0)).sum(-1)
             denom = (norm[j] if norm is not None else mask.sum()).clamp(min=1.0)
             loss = loss + self.decay**j * row_sums.sum() / denom
             with torch.no_grad():
