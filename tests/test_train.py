@@ -521,3 +521,33 @@ def test_lr_schedule_warms_up_then_decays_to_the_floor(schedule):
     assert factor(9, 1.0) == factor(9, 1.5) == pytest.approx(0.1)
     quarter = {"cosine": 0.1 + 0.9 * 0.5 * (1 + 2**-0.5), "linear": 0.1 + 0.9 * 0.75}
     assert factor(6, 0.25) == pytest.approx(quarter[schedule])
+
+
+def test_train_oov_skips_the_full_product_in_training_only(tmp_path, monkeypatch):
+    """Training every position needs only the draft-vocab rows; the held-out
+    metrics (every 4 of 8 steps) still take the target's full-vocab argmax."""
+    from eagletools.train import ttt
+
+    calls = {"train": 0, "eval": 0}
+    full = ttt.target_argmax
+
+    def counted(*args, **kwargs):
+        calls["eval" if evaluating else "train"] += 1
+        return full(*args, **kwargs)
+
+    evaluating = False
+    evaluate = Trainer.evaluate
+
+    def marked(trainer):
+        nonlocal evaluating
+        evaluating = True
+        try:
+            return evaluate(trainer)
+        finally:
+            evaluating = False
+
+    monkeypatch.setattr(ttt, "target_argmax", counted)
+    monkeypatch.setattr(Trainer, "evaluate", marked)
+    _, result = run(tmp_path, tiny_config("training.train_oov=true"))
+    assert calls["train"] == 0 and calls["eval"] > 0
+    assert result["steps"] == 8 and 1 <= result["simulated_acceptance_length"] <= 5

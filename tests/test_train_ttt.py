@@ -198,6 +198,13 @@ def test_teacher_targets_restricted_and_full_argmax():
     logits = hidden @ weight.T
     torch.testing.assert_close(probs, torch.softmax(logits[..., [0, 1, 4, 8]], -1))
     assert torch.equal(argmax, logits.argmax(-1))
+    # without the full product: the same probs, the argmax over the draft vocab as ids
+    same, inside = teacher_targets(hidden, weight, d2t, full_argmax=False)
+    torch.testing.assert_close(same, probs)
+    ids = torch.tensor([0, 1, 4, 8])
+    assert torch.equal(inside, ids[logits[..., ids].argmax(-1)])
+    in_vocab = torch.isin(argmax, ids)
+    assert torch.equal(inside[in_vocab], argmax[in_vocab]) and not in_vocab.all()
 
 
 def test_simulated_acceptance_and_summary():

@@ -101,7 +101,8 @@ class TrainingSection:
     drop_missed: bool = False  # GRIFFIN-style: step k >= 1 trains only the positions
     # where every earlier step hit the target's argmax (the ones a chain reaches)
     train_oov: bool = False  # also train where the target's argmax is outside the draft
-    # vocab (speculators does): the teacher there is its in-vocab distribution
+    # vocab (speculators does): the teacher there is its in-vocab distribution; training
+    # then skips the full-vocab product (its logged hits count the in-vocab argmax)
     teacher_temperature: float = 1.0  # < 1 sharpens the teacher toward its argmax
     teacher_argmax_weight: float = 0.0  # w: teacher = (1-w) p + w onehot(argmax)
     optimizer: str = "adamw"  # adamw | muon (Muon for the hidden 2-D weights, AdamW else)

@@ -405,17 +405,21 @@ class Trainer:
         self, batch: Any, last_hidden: torch.Tensor, training: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(probs, argmax); the recipe's sharper teacher in training only, so held-out
-        losses compare across runs."""
+        losses compare across runs. A loss that trains every position needs no
+        full-vocab argmax: training then skips that product (its logged hits count
+        the in-vocab argmax); held-out metrics always use the full one."""
         t, memo = self.config.training, self.argmax_memo
-        known = memo.lookup(batch) if memo is not None else None
+        full = not training or t.drop_missed or not t.train_oov
+        known = memo.lookup(batch) if memo is not None and full else None
         device = self.device
         probs, argmax = teacher_targets(
             last_hidden.to(device), self.lm_head, self.d2t,
             known_argmax=None if known is None else known.to(device),
             temperature=t.teacher_temperature if training else 1.0,
             argmax_weight=t.teacher_argmax_weight if training else 0.0,
+            full_argmax=full,
         )  # fmt: skip
-        if memo is not None and known is None:
+        if memo is not None and known is None and full:
             memo.store(batch, argmax)
         return probs, argmax
 

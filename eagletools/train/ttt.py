@@ -108,6 +108,7 @@ def teacher_targets(
     known_argmax: torch.Tensor | None = None,
     temperature: float = 1.0,
     argmax_weight: float = 0.0,
+    full_argmax: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's distribution over the draft vocab and its full-vocab argmax.
 
@@ -115,7 +116,9 @@ def teacher_targets(
     -> (probs [B,T,Vd] fp32, renormalised over the draft vocab; argmax [B,T]).
     Only the draft-vocab rows get softmaxed; the full product is formed chunk
     by chunk just for the argmax, so no [T, V] tensor is kept. `known_argmax`
-    (an offline epoch's memo) skips that product, the larger of the two.
+    (an offline epoch's memo) skips that product, the larger of the two, and so
+    does `full_argmax=False`, which returns the argmax over the draft vocab (as
+    target ids): all a loss needs that trains every position.
 
     Greedy decoding accepts only the argmax, so the teacher can lean on it:
     `temperature` < 1 sharpens it, and `argmax_weight` w mixes in the argmax's
@@ -127,6 +130,8 @@ def teacher_targets(
     b, t = last_hidden.shape[:2]
     if known_argmax is not None:
         best = known_argmax.reshape(-1)
+    elif not full_argmax:
+        best = rows[argmax(probs)]
     else:
         best = target_argmax(flat, lm_head_weight, chunk_tokens)
     if argmax_weight:
