@@ -135,10 +135,11 @@ def teacher_targets(
     else:
         best = target_argmax(flat, lm_head_weight, chunk_tokens)
     if argmax_weight:
-        # rows ascend; an argmax outside the draft vocab is dropped from the loss anyway
+        # rows ascend; an argmax outside the draft vocab has no one-hot to mix in
         index = torch.searchsorted(rows, best).clamp(max=rows.numel() - 1)
-        hard = torch.zeros_like(probs).scatter_(-1, index.unsqueeze(-1), 1.0)
-        probs = torch.lerp(probs, hard, argmax_weight)
+        inside = (rows[index] == best).float().unsqueeze(-1)
+        hard = torch.zeros_like(probs).scatter_(-1, index.unsqueeze(-1), inside)
+        probs = torch.lerp(probs, hard + (1 - inside) * probs, argmax_weight)
     return probs.view(b, t, -1), best.view(b, t)
 
 
