@@ -8,7 +8,13 @@ import math
 import pytest
 import torch
 
-from eagletools.train.muon import MuonAdamW, muon_groups, orthogonalize
+from eagletools.train.muon import (
+    MuonAdamW,
+    _gram_newton_schulz,
+    _newton_schulz,
+    muon_groups,
+    orthogonalize,
+)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -69,3 +75,20 @@ def test_muon_takes_the_hidden_matrices_only():
         id(model["lm_head"].weight), id(model["lm_head"].bias),
         id(model["norm"].weight), id(model["norm"].bias),
     }  # fmt: skip
+
+
+@pytest.mark.parametrize("shape", [(48, 80), (32, 160)])
+def test_gram_form_gives_the_same_iterates_in_fp32_only(shape):
+    """orthogonalize's fp32 path for wide matrices, against the plain iteration in fp64,
+    on a spectrum spread over four decades (the Gram matrix's over eight)."""
+    gen = torch.Generator().manual_seed(1)
+    u, _ = torch.linalg.qr(torch.randn(shape[0], shape[0], generator=gen, dtype=torch.float64))
+    v, _ = torch.linalg.qr(torch.randn(shape[1], shape[0], generator=gen, dtype=torch.float64))
+    x = u @ torch.diag(torch.logspace(0, -4, shape[0], dtype=torch.float64)) @ v.T
+    x = x / x.norm()
+    exact = _newton_schulz(x, 5)
+    assert torch.linalg.svdvals(exact).min() > 0.01  # the small directions grew: a real test
+    fp32 = _gram_newton_schulz(x.float(), 5).double()
+    torch.testing.assert_close(fp32, exact, atol=1e-3, rtol=0)  # bf16's plain form: ~0.1
+    torch.testing.assert_close(orthogonalize(x.float(), dtype=torch.float32).double(), fp32)
+    assert (_gram_newton_schulz(x.bfloat16(), 5).double() - exact).abs().max() > 1
