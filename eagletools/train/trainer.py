@@ -111,10 +111,11 @@ def offline_inputs(config: TrainConfig, path: str | Path | None = None) -> Train
     if config.target.aux_layer_ids is not None:
         cache.check_layers(config.target.aux_layer_ids, source="target.aux_layer_ids")
     skeleton = cache.target_skeleton()
+    head = skeleton.get_output_embeddings().weight.detach()  # as the cache stored it
     return TrainInputs(
         source=cache,
         head_model=skeleton,
-        lm_head_weight=skeleton.get_output_embeddings().weight.detach(),
+        lm_head_weight=head.to(teacher_dtype(config)),
         aux_layer_ids=cache.aux_layer_ids,
         target_model=None,
         identity={"target": cache.manifest["target"]["name_or_path"], "mode": "offline"},
@@ -754,17 +755,23 @@ def training_dtype(precision: str, device: torch.device) -> torch.dtype:
 
 
 def load_teacher(config: TrainConfig) -> Any:
-    """The teacher on this rank's device: in target.dtype, or fp32 when training computes in
-    fp32 (there bf16 weights would only add casts, and slower matmuls where bf16 is slower)."""
+    """The target on this rank's device, in `teacher_dtype`."""
     from eagletools.devices import resolve_device
-    from eagletools.dtypes import parse_dtype
     from eagletools.target import load_target
 
-    device = resolve_device("auto")
-    dtype = parse_dtype(config.target.dtype, "target.dtype")
-    if training_dtype(config.training.precision, device) == torch.float32:
-        dtype = torch.float32
-    return load_target(config.target.spec, dtype, device)
+    return load_target(config.target.spec, teacher_dtype(config), resolve_device("auto"))
+
+
+def teacher_dtype(config: TrainConfig) -> torch.dtype:
+    """target.dtype, or fp32 when training computes in fp32: there bf16 weights would only
+    add casts, and slower matmuls where bf16 is slower (an AVX2 CPU emulates bf16 products
+    at a tenth of fp32's rate: the offline teacher's full-vocab argmax ran at 18 GFLOPS)."""
+    from eagletools.devices import resolve_device
+    from eagletools.dtypes import parse_dtype
+
+    if training_dtype(config.training.precision, resolve_device("auto")) == torch.float32:
+        return torch.float32
+    return parse_dtype(config.target.dtype, "target.dtype")
 
 
 def regenerated_data(
