@@ -52,7 +52,8 @@ def _newton_schulz(x: torch.Tensor, steps: int) -> torch.Tensor:
 def _gram_newton_schulz(x: torch.Tensor, steps: int) -> torch.Tensor:
     """`_newton_schulz`'s iterates from the [m, m] Gram matrix alone: each step is
     x <- p(g) x with g = x x^T, so x_k = q_k x_0 with q_k the product of the p's, and
-    g_{k+1} = p g p (p is a polynomial in g); only the last product touches x's n columns."""
+    g_{k+1} = p g p (p is a polynomial in g): only the first and last products touch x's
+    n columns."""
     a, b, c = _NS_COEFFICIENTS
     gram, q = x @ x.T, None
     for k in range(steps):
