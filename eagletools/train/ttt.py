@@ -138,8 +138,8 @@ def teacher_targets(
         # rows ascend; an argmax outside the draft vocab has no one-hot to mix in
         index = torch.searchsorted(rows, best).clamp(max=rows.numel() - 1)
         inside = (rows[index] == best).float().unsqueeze(-1)
-        hard = torch.zeros_like(probs).scatter_(-1, index.unsqueeze(-1), inside)
-        probs = torch.lerp(probs, hard + (1 - inside) * probs, argmax_weight)
+        hard = torch.zeros_like(probs).scatter_(-1, index.unsqueeze(-1), 1.0)
+        probs = torch.lerp(probs, hard, argmax_weight * inside)
     return probs.view(b, t, -1), best.view(b, t)
 
 
