@@ -55,7 +55,9 @@ import torch  # noqa: E402
 
 def fp32_newton_schulz(grad: torch.Tensor, ns_coefficients, ns_steps: int, eps: float):
     """torch's Muon orthogonalisation (a, b, c quintic on the wide orientation, the
-    input scaled to spectral norm <= 1) computed in fp32 instead of bf16."""
+    input scaled to spectral norm <= 1) computed in fp32 instead of bf16. It repeats
+    eagletools' `train/muon.py` loop on purpose: this runs in .venv-speculators, which
+    does not install eagletools, and it takes torch's coefficients as given."""
     a, b, c = ns_coefficients
     x = grad.float()
     tall = x.size(0) > x.size(1)
