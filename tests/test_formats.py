@@ -552,10 +552,10 @@ def test_vocab_survives_every_round_trip(data):
             assert torch.equal(ckpt.tensors["t2d"], vocab.t2d), fmt
 
 
-def test_llama31_rope_read_in_both_spellings_and_written_as_each_ecosystem_does(tmp_path):
-    """eagle configs spell RoPE as transformers 4 (`rope_theta` + `rope_scaling`),
-    speculators as transformers 5 (`rope_parameters`); either file in either spelling
-    (the old `type` key too) reads as the same draft."""
+def test_llama31_rope_written_in_both_spellings_and_read_from_either(tmp_path):
+    """Both formats spell RoPE for transformers 4 (`rope_theta` + `rope_scaling`) and 5
+    (`rope_parameters`), so a reader on either generation gets the same draft; a file
+    with either spelling alone (the old `type` key too) reads as the same draft."""
     src = make_ckpt(rope_theta=500000.0, rope_scaling=LLAMA3_ROPE, max_position_embeddings=131072,
                     aux_layer_ids=[1, 2, 3])  # fmt: skip
     save_checkpoint(src, tmp_path / "e", "eagle", with_embeddings=True)
@@ -563,14 +563,13 @@ def test_llama31_rope_read_in_both_spellings_and_written_as_each_ecosystem_does(
     eagle_file, spec_file = tmp_path / "e/config.json", tmp_path / "s/config.json"
     eagle_cfg, spec_cfg = json.loads(eagle_file.read_text()), json.loads(spec_file.read_text())
     layer = spec_cfg["transformer_layer_config"]
-    assert (eagle_cfg["rope_theta"], eagle_cfg["rope_scaling"]) == (500000.0, LLAMA3_ROPE)
-    assert "rope_parameters" not in eagle_cfg
-    assert layer["rope_parameters"] == {**LLAMA3_ROPE, "rope_theta": 500000.0}
-    assert "rope_scaling" not in layer
+    for cfg in (eagle_cfg, layer):
+        assert (cfg["rope_theta"], cfg["rope_scaling"]) == (500000.0, LLAMA3_ROPE)
+        assert cfg["rope_parameters"] == {**LLAMA3_ROPE, "rope_theta": 500000.0}
     old_style = {k: v for k, v in LLAMA3_ROPE.items() if k != "rope_type"} | {"type": "llama3"}
     del eagle_cfg["rope_theta"], eagle_cfg["rope_scaling"]
-    eagle_cfg["rope_parameters"] = layer.pop("rope_parameters")
-    layer.update(rope_theta=500000.0, rope_scaling=old_style)
+    del layer["rope_parameters"]
+    layer["rope_scaling"] = old_style
     eagle_file.write_text(json.dumps(eagle_cfg))
     spec_file.write_text(json.dumps(spec_cfg))
     for folder in ("e", "s"):

@@ -7,6 +7,7 @@ of that class by its own name; a tied model saved by `save_pretrained` lacks
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -71,3 +72,27 @@ def test_builtin_target_folder_loads_in_engines(tmp_path):
     assert config["architectures"] == ["LlamaForCausalLM"]
     assert shapes["model.embed_tokens.weight"] == (49152, 576)
     assert shapes == _expected_parameters(folder)
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        dict(rope_theta=100000.0),  # SmolLM2's: transformers 4 assumed 10000 without it
+        dict(rope_theta=500000.0, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    ],
+    ids=["plain", "llama3"],
+)  # fmt: skip
+def test_target_folder_spells_rope_for_both_transformers_generations(tmp_path, rope):
+    """transformers 5 writes only `rope_parameters`; transformers 4 reads `rope_theta` and
+    `rope_scaling` and, without them, runs another model (theta 10000) without an error."""
+    model = tiny_model("llama", **copy.deepcopy(rope))  # transformers edits the dict
+    tok = byte_bpe_tokenizer("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    save_target_folder(model, tok, tmp_path / "t", torch.float32)
+    config = json.loads((tmp_path / "t" / "config.json").read_text())
+    scaling = rope.get("rope_scaling")
+    assert config["rope_theta"] == config["rope_parameters"]["rope_theta"] == rope["rope_theta"]
+    assert config["rope_scaling"] == scaling  # transformers 4: None is plain RoPE
+    assert config["rope_parameters"] == {"rope_type": "default", **(scaling or {}),
+                                         "rope_theta": rope["rope_theta"]}  # fmt: skip

@@ -82,7 +82,7 @@ def config_dict(c: DraftConfig, dtype: str | None) -> dict[str, Any]:
     out: dict[str, Any] = {
         "architectures": [ARCHITECTURE],
         "model_type": "llama",
-        **hfconfig.write_layer_fields(c, rope_parameters=False),
+        **hfconfig.write_layer_fields(c),
         "draft_vocab_size": c.draft_vocab_size,
         "target_hidden_size": c.target_hidden_size,
         "num_aux_hidden_states": c.num_aux_states,

@@ -3,7 +3,7 @@
 The `eagle` config is one at top level, the `speculators` config nests one as
 `transformer_layer_config`; RoPE is either `rope_theta`/`rope_scaling`
 (transformers 4) or `rope_parameters` (transformers 5): `target.rope_of` reads
-both, and each ecosystem's is written as it writes it itself.
+both, and both are written, so either generation reads the same draft.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any
 from eagletools.draft import DraftConfig
 from eagletools.errors import UserError
 from eagletools.target import rope_of
+from eagletools.target.folder import rope_spellings
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +66,10 @@ def read_layer_fields(cfg: dict[str, Any], source: str) -> dict[str, Any]:
     )
 
 
-def write_layer_fields(c: DraftConfig, rope_parameters: bool) -> dict[str, Any]:
-    """The Llama-style decoder-layer fields of `c` (vocab_size is the target's)."""
-    out: dict[str, Any] = dict(
+def write_layer_fields(c: DraftConfig) -> dict[str, Any]:
+    """The Llama-style decoder-layer fields of `c` (vocab_size is the target's), RoPE in
+    both spellings so that readers on either transformers generation get the same draft."""
+    return dict(
         hidden_size=c.hidden_size,
         intermediate_size=c.intermediate_size,
         num_attention_heads=c.num_attention_heads,
@@ -81,17 +83,8 @@ def write_layer_fields(c: DraftConfig, rope_parameters: bool) -> dict[str, Any]:
         attention_bias=False,
         mlp_bias=False,
         tie_word_embeddings=False,
+        **rope_spellings(c.rope_theta, c.rope_scaling),
     )
-    if rope_parameters:
-        out["rope_parameters"] = {
-            "rope_type": "default",
-            **(c.rope_scaling or {}),
-            "rope_theta": c.rope_theta,
-        }
-    else:
-        out["rope_theta"] = c.rope_theta
-        out["rope_scaling"] = c.rope_scaling
-    return out
 
 
 def dtype_name(tensors: dict) -> str | None:

@@ -121,7 +121,7 @@ def config_dict(
 ) -> dict[str, Any]:
     layer = {
         "model_type": "qwen3" if c.qk_norm else "llama",
-        **hfconfig.write_layer_fields(c, rope_parameters=True),
+        **hfconfig.write_layer_fields(c),
     }
     verifier = verifier or c.extra.get("verifier") or {"name_or_path": None, "architectures": []}
     return {

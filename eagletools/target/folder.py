@@ -6,17 +6,40 @@ then builds a headless model with an empty embedding and emits token 0
 forever (docs/deploy.md). So the folder written here names its model class,
 stores every state-dict tensor under its own name (the tied embedding twice),
 and carries the tokenizer, chat template and generation config beside the
-weights, in the dtype asked for.
+weights, in the dtype asked for. Its RoPE is spelled for both transformers
+generations: transformers 5 writes only `rope_parameters`, and a reader on
+transformers 4 then assumes `rope_theta` 10000 without a word.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from eagletools.atomic import atomic_dir
+from eagletools.target.anatomy import rope_of
+
+
+def rope_spellings(theta: float, scaling: dict[str, Any] | None) -> dict[str, Any]:
+    """One RoPE as both generations' config fields: `rope_parameters` (transformers 5)
+    beside `rope_theta`/`rope_scaling` (transformers 4), which 4 reads and 5 accepts."""
+    return {
+        "rope_parameters": {"rope_type": "default", **(scaling or {}), "rope_theta": theta},
+        "rope_theta": theta,
+        "rope_scaling": scaling,
+    }
+
+
+def add_legacy_rope(config_json: Path) -> None:
+    """Give a config.json that spells RoPE as `rope_parameters` the legacy fields too."""
+    data = json.loads(config_json.read_text())
+    section = data.get("text_config") or data
+    if "rope_theta" in (section.get("rope_parameters") or {}):  # flat, not per layer type
+        section.update(rope_spellings(*rope_of(section)))
+        config_json.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def folder_tensors(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -43,6 +66,7 @@ def save_target_folder(
     config.dtype = dtype
     with atomic_dir(Path(folder), overwrite=overwrite) as tmp:
         config.save_pretrained(tmp)
+        add_legacy_rope(tmp / "config.json")
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(tmp)
         save_file(folder_tensors(model, dtype), str(tmp / "model.safetensors"), {"format": "pt"})
