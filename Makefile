@@ -98,3 +98,29 @@ interop: setup $(SPEC_VENV)/.installed engine-vllm engine-llamacpp
 	$(ENGINE_EVAL) --engine ours --draft $(DEMO)/eagle --output-dir runs/interop/ours
 	$(ENGINE_EVAL) --engine vllm --draft $(DEMO)/speculators --output-dir runs/interop/vllm
 	$(ENGINE_EVAL) --engine llama.cpp --draft $(DEMO)/draft.gguf --output-dir runs/interop/llama.cpp
+
+# sgl-jax (SGLang's JAX backend) in its own Python 3.12 venv, at the pinned commit:
+# its own Llama/Qwen3 targets and EAGLE-3 draft model, loaded by its own loader, against
+# ours (docs/deploy.md). No PyPI release carries its EAGLE code; SGLJAX_SRC may point at
+# a local tarball (file:///...tar.gz#subdirectory=python) where GitHub is out of reach.
+SGLJAX_VENV   ?= .venv-sgljax
+SGLJAX_PYTHON ?= python3.12
+SGLJAX_COMMIT ?= cddbf6f1cc33cbdd453bd8f36ff7051cf46ca176
+SGLJAX_SRC    ?= git+https://github.com/sgl-project/sglang-jax@$(SGLJAX_COMMIT)\#subdirectory=python
+
+$(SGLJAX_VENV)/.installed:
+	$(SGLJAX_PYTHON) -m venv $(SGLJAX_VENV)
+	$(SGLJAX_VENV)/bin/pip install -q --upgrade pip
+	$(SGLJAX_VENV)/bin/pip install -q "sglang-jax[cpu] @ $(SGLJAX_SRC)"
+	touch $@
+
+.PHONY: interop-sgljax
+interop-sgljax: setup $(SGLJAX_VENV)/.installed
+	rm -rf runs/interop-sgljax
+	HF_HUB_OFFLINE=1 $(PY) tests/interop/make_sgljax_case.py runs/interop-sgljax
+	$(SGLJAX_VENV)/bin/python tests/interop/check_sgljax.py runs/interop-sgljax
+	$(VENV)/bin/eagletools convert runs/interop-sgljax/drafts/demo/train \
+		runs/interop-sgljax/refused --to eagle --for sgl-jax --target smollm2-135m \
+		2>&1 | tee runs/interop-sgljax/refused.log
+	grep -q "draft.norm_before_residual" runs/interop-sgljax/refused.log
+	test ! -e runs/interop-sgljax/refused

@@ -55,15 +55,17 @@ def make_target(folder: Path, model_type: str, **overrides) -> None:
     save_target_folder(folder, AutoModelForCausalLM.from_config(config))
 
 
-def our_logits(draft: Eagle3Draft, aux, input_ids, positions) -> torch.Tensor:
-    """Step 0 of EAGLE-3 over a whole sequence: fc(aux), one causal layer, draft-vocab logits."""
-    t = input_ids.shape[1]
-    cache = DraftKVCache.allocate(draft.config, 1, t, torch.float32, "cpu")
+def our_step0(draft: Eagle3Draft, aux, input_ids, positions) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 0 of EAGLE-3 over whole sequences [B,T]: fc(aux), one causal layer; returns
+    (draft-vocab logits, the hidden the next step takes)."""
+    b, t = input_ids.shape
+    cache = DraftKVCache.allocate(draft.config, b, t, torch.float32, "cpu")
     causal = torch.ones(t, t, dtype=torch.bool).tril()
-    logits, _ = draft.decode(
-        draft.fuse_aux(aux), input_ids, positions, cache, torch.arange(t), causal
-    )
-    return logits
+    return draft.decode(draft.fuse_aux(aux), input_ids, positions, cache, torch.arange(t), causal)
+
+
+def our_logits(draft: Eagle3Draft, aux, input_ids, positions) -> torch.Tensor:
+    return our_step0(draft, aux, input_ids, positions)[0]
 
 
 def our_ttt_logits(draft: Eagle3Draft, aux, input_ids, steps: int = 2) -> torch.Tensor:
@@ -85,14 +87,11 @@ def our_ttt_logits(draft: Eagle3Draft, aux, input_ids, steps: int = 2) -> torch.
     return torch.stack([logits[:, :t] for logits in captured])
 
 
-def make_case(out: Path, name: str) -> None:
-    spec = CASES[name]
-    make_target(out / "target", **spec["target"])
-    target = load_target(out / "target", dtype=torch.float32)
-    g = torch.Generator().manual_seed(1)
-    vocab = DraftVocab.from_selected(torch.randperm(256, generator=g)[:96], 256)
-    draft = Eagle3Draft.from_target(target.model, vocab, aux_layer_ids=[1, 3, 5], **spec["draft"])
-    with torch.no_grad():  # random everything, norms included, so no weight is trivially shared
+def save_random_draft(folder: Path, target, vocab: DraftVocab, g: torch.Generator, **options):
+    """A draft for `target` with random weights, norms included (so no weight is trivially
+    shared), saved as a training checkpoint for `convert`."""
+    draft = Eagle3Draft.from_target(target.model, vocab, **options)
+    with torch.no_grad():
         for k, p in draft.named_parameters():
             if k != "embed_tokens.weight":
                 p.copy_(
@@ -100,9 +99,16 @@ def make_case(out: Path, name: str) -> None:
                     + (p.dim() == 1)
                 )
     tensors = {k: v for k, v in draft.state_dict().items() if k != "embed_tokens.weight"}
-    save_checkpoint(
-        Checkpoint("memory", draft.config, tensors, "memory"), out / "train", "training"
-    )
+    save_checkpoint(Checkpoint("memory", draft.config, tensors, "memory"), folder, "training")
+
+
+def make_case(out: Path, name: str) -> None:
+    spec = CASES[name]
+    make_target(out / "target", **spec["target"])
+    target = load_target(out / "target", dtype=torch.float32)
+    g = torch.Generator().manual_seed(1)
+    vocab = DraftVocab.from_selected(torch.randperm(256, generator=g)[:96], 256)
+    save_random_draft(out / "train", target, vocab, g, aux_layer_ids=[1, 3, 5], **spec["draft"])
     rc = cli(["convert", str(out / "train"), str(out / "draft"), "--to", "speculators",
               "--target", str(out / "target"), "--with-embeddings"])  # fmt: skip
     assert rc == 0, rc
