@@ -41,6 +41,15 @@ def _gone(pid: int, wait: float = 10.0) -> bool:
         time.sleep(0.1)
 
 
+def _speculators_draft(folder):
+    """A real (tiny, random) speculators draft: `eval --engine` reads its options first."""
+    from test_formats import make_ckpt
+
+    from eagletools.formats import save_checkpoint
+
+    return save_checkpoint(make_ckpt(), folder, "speculators", overwrite=True)
+
+
 def _eval(target, draft, engine, out, *extra, status: int = 0) -> dict | None:
     argv = ["eval", "--target", str(target), "--bench", "mt-bench", "--num-prompts", "2",
             "--max-new-tokens", "9", "--depth", "3", "--engine", engine, "--output-dir", str(out),
@@ -88,7 +97,7 @@ def test_engine_eval_reads_the_engines_counters(engine, fake_engines, tiny_targe
     if engine == "llama.cpp":
         (draft / "draft.gguf").write_bytes(b"GGUF fake draft")
     else:
-        (draft / "config.json").write_text(json.dumps({"speculators_model_type": "eagle3"}))
+        _speculators_draft(draft)
     results = _eval(tiny_target, draft, engine, tmp_path / "out")
 
     s = results["summary"]
@@ -117,9 +126,7 @@ def test_engine_eval_reads_the_engines_counters(engine, fake_engines, tiny_targe
 
 
 def test_divergence_is_reported_with_its_position(fake_engines, tiny_target, tmp_path, monkeypatch):
-    draft = tmp_path / "draft"
-    draft.mkdir()
-    (draft / "config.json").write_text(json.dumps({"speculators_model_type": "eagle3"}))
+    draft = _speculators_draft(tmp_path / "draft")
     monkeypatch.setenv("FAKE_ENGINE_MODE", "diverge")
     results = _eval(tiny_target, draft, "vllm", tmp_path / "out")
     first = results["per_prompt"][0]

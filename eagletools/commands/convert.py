@@ -39,6 +39,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--verifier",
         help="speculators: verifier name_or_path to record (default: --target, else the source's)",
     )
+    add_engine_choice(p, "--for", "refuse a draft ENGINE would compute differently (an option "
+                      "it ignores); checks non-default aux ids only with --target")  # fmt: skip
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
     add_allow_pickle(p)
     p.set_defaults(func=run)
@@ -51,6 +53,13 @@ def add_allow_pickle(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="read pytorch_model.bin (a pickle: only from a source you trust)",
     )
+
+
+def add_engine_choice(p: argparse.ArgumentParser, flag: str, why: str) -> None:
+    """The serving-engine option of the commands that check a draft against one."""
+    from eagletools.formats.engines import ENGINES
+
+    p.add_argument(flag, dest="for_engine", metavar="ENGINE", choices=ENGINES, help=why)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -66,5 +75,6 @@ def run(args: argparse.Namespace) -> int:
         verifier=args.verifier,
         force=args.force,
         allow_pickle=args.allow_pickle,
+        engine=args.for_engine,
     )
     return 0

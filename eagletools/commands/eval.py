@@ -77,6 +77,10 @@ def _eval(args: argparse.Namespace) -> int:
 
         if args.autotune or args.hf_baseline:
             raise UserError("--autotune and --hf-baseline go with --engine ours")
+        if s.draft:
+            from eagletools.formats.engines import check_draft_on_disk
+
+            check_draft_on_disk(s.draft, s.engine, s.target)
         results = run_engine_eval(s, questions, args.output_dir, progress=not args.no_progress)
     files = write_report(results, args.output_dir)
     if args.wandb:

@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from eagletools.commands import add_command
-from eagletools.commands.convert import add_allow_pickle
+from eagletools.commands.convert import add_allow_pickle, add_engine_choice
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -18,6 +18,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     p.add_argument("ckpt", help="checkpoint folder (format detected)")
     p.add_argument("--target", help="check compatibility with this target")
+    add_engine_choice(p, "--engine", "also say whether ENGINE computes this draft as trained "
+                      "(exit 1 if not)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_allow_pickle(p)
     p.set_defaults(func=run)
@@ -36,8 +38,24 @@ def run(args: argparse.Namespace) -> int:
 
         target = load_target_summary(args.target)
     report = describe(ckpt, target)
+    if args.for_engine:
+        add_engine_report(report, ckpt.config, args.for_engine, target)
     print(json.dumps(report, indent=2) if args.json else render(report))
     return 0 if report["ok"] else 1
+
+
+def add_engine_report(report: dict[str, Any], config: Any, engine: str, target: Any) -> None:
+    """The options `engine` ignores, with their recipe fields; any makes the report fail."""
+    from eagletools.formats.engines import unsupported
+
+    layers = target.info.num_layers if target is not None else None
+    ignored = unsupported(config, engine, layers)
+    report["engine"] = {
+        "name": engine,
+        "ignored": [{"option": o.name, "recipe_field": o.recipe_field} for o in ignored],
+        "aux_ids_checked": layers is not None,
+    }
+    report["ok"] = report["ok"] and not ignored
 
 
 def render(r: dict[str, Any]) -> str:
@@ -73,4 +91,12 @@ def render(r: dict[str, Any]) -> str:
         for p in r["problems"]:
             kind = "error" if p["error"] else "warning"
             lines.append(f"    {kind}: {p['field']}: {p['message']}; fix: {p['fix']}")
+    if "engine" in r:
+        e = r["engine"]
+        lines.append(f"  engine {e['name']}: " + ("computes it as trained" if not e["ignored"]
+                     else "would compute it differently, without an error"))  # fmt: skip
+        for item in e["ignored"]:
+            lines.append(f"    ignores {item['option']} (recipe field {item['recipe_field']})")
+        if not e["aux_ids_checked"]:
+            lines.append("    (aux ids not checked: pass --target)")
     return "\n".join(lines)

@@ -19,6 +19,7 @@ from eagletools.formats.checkpoint import (
     parse_dtype,
     save_checkpoint,
 )
+from eagletools.formats.engines import check_engine
 
 
 def convert(
@@ -32,6 +33,7 @@ def convert(
     verifier: str | None = None,
     force: bool = False,
     allow_pickle: bool = False,
+    engine: str | None = None,
     log: Callable[[str], Any] = print,
 ) -> Path:
     """Read `src` (any format), check it, write it to `out` as `to`; returns the folder.
@@ -39,6 +41,8 @@ def convert(
     With `target`, RoPE, max positions and default aux layers come from the
     target, and the speculators verifier defaults to it. `to="gguf"` writes
     one file for llama.cpp and needs `target` (its tokenizer and config).
+    With `engine`, a draft that engine would compute differently is refused
+    before anything is written (`formats.engines`).
     """
     out = Path(out)
     if out.exists() and not force:
@@ -58,6 +62,8 @@ def convert(
         ckpt, notes = fit_to_target(ckpt, loaded)
         for note in notes:
             log(f"  from target: {note}")
+        if engine:
+            check_engine(ckpt.config, engine, ckpt.source, loaded.info.num_layers)
         tensors = dict(ckpt.tensors)
         if not with_embeddings:
             tensors.pop(EMBED, None)  # llama.cpp uses the target's
@@ -80,6 +86,8 @@ def convert(
             local = "gguf_file" not in extra and Path(location).is_dir()
             name = str(Path(location).resolve()) if local else target
             verifier_spec = {"name_or_path": name, "architectures": [loaded.info.architecture]}
+    if engine:
+        check_engine(ckpt.config, engine, ckpt.source, loaded.info.num_layers if target else None)
     path = save_checkpoint(
         ckpt,
         out,

@@ -88,6 +88,8 @@ class DraftSection:
     freeze_head: bool = False  # lm_head = the target's rows of the draft vocab, frozen;
     # the draft's norm starts at 1 and trains (needs init_head_from_target: false)
     intermediate_size: int | None = None  # the MLP's width (None: the target's)
+    engines: list[str] = field(default_factory=list)  # serving engines the draft is for
+    # (formats.engines.ENGINES): training refuses an option one of them ignores
 
 
 @dataclass
@@ -270,6 +272,12 @@ class TrainConfig:
         for ok, key, why in checks:
             if not ok:
                 raise UserError(f"{source}: {key} {why}")
+        from eagletools.formats.engines import check_recipe_options
+
+        d = self.draft
+        options = {"norm_before_residual": d.norm_before_residual, "fc_norm": d.fc_norm,
+                   "norm_output": d.norm_output, "freeze_head": d.freeze_head}  # fmt: skip
+        check_recipe_options(options, d.engines, f"{source}: draft.engines")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

