@@ -96,3 +96,16 @@ def test_target_folder_spells_rope_for_both_transformers_generations(tmp_path, r
     assert config["rope_scaling"] == scaling  # transformers 4: None is plain RoPE
     assert config["rope_parameters"] == {"rope_type": "default", **(scaling or {}),
                                          "rope_theta": rope["rope_theta"]}  # fmt: skip
+
+
+def test_target_folder_tokenizer_class_exists_in_transformers_4(tmp_path):
+    """transformers 5 writes `TokenizersBackend`, which transformers 4 refuses to load."""
+    from transformers import AutoTokenizer
+
+    tok = byte_bpe_tokenizer("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    save_target_folder(tiny_model("llama"), tok, tmp_path / "t", torch.float32)
+    saved = json.loads((tmp_path / "t" / "tokenizer_config.json").read_text())
+    assert saved["tokenizer_class"] == "PreTrainedTokenizerFast"
+    loaded = AutoTokenizer.from_pretrained(tmp_path / "t")
+    assert loaded("hello world").input_ids == tok("hello world").input_ids
+    assert loaded.chat_template == tok.chat_template

@@ -6,14 +6,16 @@ then builds a headless model with an empty embedding and emits token 0
 forever (docs/deploy.md). So the folder written here names its model class,
 stores every state-dict tensor under its own name (the tied embedding twice),
 and carries the tokenizer, chat template and generation config beside the
-weights, in the dtype asked for. Its RoPE is spelled for both transformers
+weights, in the dtype asked for. It reads alike under both transformers
 generations: transformers 5 writes only `rope_parameters`, and a reader on
-transformers 4 then assumes `rope_theta` 10000 without a word.
+transformers 4 then assumes `rope_theta` 10000 without a word; it names the
+tokenizer class `TokenizersBackend`, which transformers 4 refuses.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,13 +35,29 @@ def rope_spellings(theta: float, scaling: dict[str, Any] | None) -> dict[str, An
     }
 
 
-def add_legacy_rope(config_json: Path) -> None:
-    """Give a config.json that spells RoPE as `rope_parameters` the legacy fields too."""
-    data = json.loads(config_json.read_text())
+def _edit_json(path: Path, edit: Callable[[dict[str, Any]], bool]) -> None:
+    data = json.loads(path.read_text())
+    if edit(data):
+        path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def add_legacy_rope(data: dict[str, Any]) -> bool:
+    """Give a config that spells RoPE as `rope_parameters` the legacy fields too."""
     section = data.get("text_config") or data
-    if "rope_theta" in (section.get("rope_parameters") or {}):  # flat, not per layer type
-        section.update(rope_spellings(*rope_of(section)))
-        config_json.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    if "rope_theta" not in (section.get("rope_parameters") or {}):  # flat, not per layer type
+        return False
+    section.update(rope_spellings(*rope_of(section)))
+    return True
+
+
+def legacy_tokenizer_class(data: dict[str, Any]) -> bool:
+    """transformers 5 names a tokenizer.json-backed tokenizer `TokenizersBackend`, a class
+    transformers 4 lacks (it refuses the folder); `PreTrainedTokenizerFast` is the same
+    tokenizer in both."""
+    if data.get("tokenizer_class") != "TokenizersBackend":
+        return False
+    data["tokenizer_class"] = "PreTrainedTokenizerFast"
+    return True
 
 
 def folder_tensors(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -66,11 +84,13 @@ def save_target_folder(
     config.dtype = dtype
     with atomic_dir(Path(folder), overwrite=overwrite) as tmp:
         config.save_pretrained(tmp)
-        add_legacy_rope(tmp / "config.json")
+        _edit_json(tmp / "config.json", add_legacy_rope)
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(tmp)
         save_file(folder_tensors(model, dtype), str(tmp / "model.safetensors"), {"format": "pt"})
         tokenizer.save_pretrained(tmp)
+        if (tmp / "tokenizer_config.json").is_file():
+            _edit_json(tmp / "tokenizer_config.json", legacy_tokenizer_class)
     return Path(folder)
 
 

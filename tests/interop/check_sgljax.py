@@ -1,7 +1,8 @@
 """sgl-jax interop step 2 (the `.venv-sgljax` venv, `make interop-sgljax`): sgl-jax's own
 models on the inputs tests/interop/make_sgljax_case.py wrote, against ours, fp32 on CPU.
 
-1. transformers 4 (sgl-jax's pin) reads our exported target config as the same model.
+1. transformers 4 (sgl-jax's pin) reads our exported target as the same model: its
+   config (rope_theta) and tokenizer (the same ids, a chat template).
 2. Each eagle-layout draft loads through `LlamaForCausalLMEagle3.load_weights`: every
    tensor mapped (t2d aside: sgl-jax derives nothing from it), every mapping found,
    and its hot token ids equal ours (`d2t + arange`).
@@ -23,6 +24,7 @@ sgl-jax's native attention returns each head padded to the KV pool's 128-aligned
 from __future__ import annotations
 
 import functools
+import json
 import os
 import sys
 import types
@@ -106,14 +108,20 @@ def forward_batch(hf_config, input_ids: np.ndarray, positions: np.ndarray, spec_
     return batch, pool
 
 
-def check_transformers4_reads_our_target(folder: Path) -> None:
+def check_transformers4_reads_our_target(folder: Path, prompts: dict) -> None:
+    """Our exported target is the same model and tokenizer under transformers 4."""
     import transformers
-    from transformers import AutoConfig
+    from transformers import AutoConfig, AutoTokenizer
 
     config = AutoConfig.from_pretrained(folder)
     theta = config.rope_parameters["rope_theta"]  # kept as an unknown field by transformers 4
     assert config.rope_theta == theta, f"transformers 4 reads rope_theta {config.rope_theta}"
-    print(f"transformers {transformers.__version__} reads {folder}: rope_theta {theta}")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    ids = [tokenizer(p).input_ids[: len(prompts["ids"][0])] for p in prompts["prompts"]]
+    assert ids == prompts["ids"], "transformers 4 tokenizes the prompts differently"
+    assert tokenizer.chat_template, "transformers 4 finds no chat template"
+    print(f"transformers {transformers.__version__} reads {folder}: rope_theta {theta}, "
+          f"{type(tokenizer).__name__} with its chat template, the same prompt ids")  # fmt: skip
 
 
 def check_weights_loaded(folder: Path, model, case) -> None:
@@ -184,7 +192,7 @@ def check_aux(target: Path) -> None:
 
 def main(root: Path) -> int:
     smollm2 = root / "smollm2" / "target"
-    check_transformers4_reads_our_target(smollm2)
+    check_transformers4_reads_our_target(smollm2, json.loads((root / "prompts.json").read_text()))
     embed = load_file(str(smollm2 / "model.safetensors"))["model.embed_tokens.weight"]
     diff = check_draft(root / "drafts" / "plain" / "draft", embed, must_match=True)
     check_draft(root / "drafts" / "demo" / "draft", embed, must_match=False)

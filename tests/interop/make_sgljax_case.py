@@ -14,6 +14,7 @@ on the same inputs and compares.
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -76,6 +77,8 @@ def make_drafts(out: Path, target_folder: Path, input_ids: torch.Tensor, aux) ->
 def main(out: Path) -> None:
     tokenizer = load_tokenizer("smollm2-135m")
     input_ids = prompt_ids(tokenizer)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "prompts.json").write_text(json.dumps({"prompts": PROMPTS, "ids": input_ids.tolist()}))
     smollm2 = export_target("smollm2-135m", out / "smollm2" / "target", torch.float32)
     aux = capture_case(smollm2, input_ids)
     for family, overrides in TINY.items():
