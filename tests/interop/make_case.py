@@ -64,10 +64,6 @@ def our_step0(draft: Eagle3Draft, aux, input_ids, positions) -> tuple[torch.Tens
     return draft.decode(draft.fuse_aux(aux), input_ids, positions, cache, torch.arange(t), causal)
 
 
-def our_logits(draft: Eagle3Draft, aux, input_ids, positions) -> torch.Tensor:
-    return our_step0(draft, aux, input_ids, positions)[0]
-
-
 def our_ttt_logits(draft: Eagle3Draft, aux, input_ids, steps: int = 2) -> torch.Tensor:
     """The first `steps` training-time-test steps (teacher-forced ids, each step's hidden
     carried to the next: where `norm_output` acts), their draft-vocab logits [steps,B,T,Vd]."""
@@ -117,7 +113,7 @@ def make_case(out: Path, name: str) -> None:
     input_ids = torch.randint(0, 256, (1, 12), generator=g)
     positions = torch.arange(12) + 100
     with torch.no_grad():
-        logits = our_logits(ours, aux, input_ids, positions)
+        logits, _ = our_step0(ours, aux, input_ids, positions)
         ttt_logits = our_ttt_logits(ours, aux, input_ids)
     torch.testing.assert_close(ttt_logits[0], logits, atol=1e-5, rtol=1e-5)  # RoPE is relative
     case = {"aux": aux, "input_ids": input_ids, "positions": positions, "logits": logits,
