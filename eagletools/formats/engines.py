@@ -68,7 +68,7 @@ OPTIONS = (
                              "residual before hidden_norm"),
     }),
     DraftOption("fc_norm", "draft.fc_norm", lambda c, n: c.fc_norm, {
-        "vllm": Cell(True, "run: make interop (check_speculators.py, case eagle3.1)"),
+        "vllm": Cell(True, "run: make interop, speculators 0.9.0 (vLLM's format package), case eagle3.1"),
         "sglang": Cell(False, f"{SGLANG} (LlamaModel.forward: fc on the raw aux states)"),
         "sgl-jax": Cell(False, "read: srt/models/llama_eagle3.py:204-205 (fc on the raw aux "
                                "states; no fc_norm mapping)"),
@@ -78,7 +78,7 @@ OPTIONS = (
         "eagle": Cell(False, "read: SafeAILab cnets.py has no such norm (formats.md, EAGLE-3.1)"),
     }),
     DraftOption("norm_output", "draft.norm_output", lambda c, n: c.norm_output, {
-        "vllm": Cell(True, "run: make interop (check_speculators.py, case eagle3.1, 2 steps)"),
+        "vllm": Cell(True, "run: make interop, speculators 0.9.0, case eagle3.1, 2 steps"),
         "sglang": Cell(False, f"{SGLANG} (LlamaModel.forward: the pre-norm hidden goes on)"),
         "sgl-jax": Cell(False, "read: srt/models/llama_eagle3.py:216-224 (the pre-norm "
                                "residual goes to the next step)"),
