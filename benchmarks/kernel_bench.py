@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -271,8 +272,47 @@ def compile_only(arch: int) -> int:
                 ).stdout
             line = next((x.strip() for x in usage.splitlines() if "REG:" in x), "")
             spills = "  register spills" if "STACK:0 " not in line else ""
+            narrow = narrow_offsets(compiled.asm["ttir"])
+            if narrow:
+                print(f"{label:60} FAILED: 32-bit program-id x stride offsets: {narrow}")
+                failed += 1
+                continue
             print(f"{label:60} sm_{arch} ok  {line.split(' SHARED')[0]}{spills}")
     return int(failed > 0)
+
+
+_SSA = re.compile(r"%[\w.]+")
+
+
+def narrow_offsets(ttir: str) -> list[str]:
+    """The scalar i32 products of a program-id-derived value and a stride (`s_*` argument).
+
+    Such a product is a base offset (`b * stride_b`): with every layer's cache
+    stacked it passes 2^31 at 8B-70B sizes, so it must be computed in int64.
+    Values are traced through the TTIR's SSA names; a `.to(tl.int64)` (extsi)
+    ends the trace.
+    """
+    body = ttir.partition("tt.func public")[2]
+    strides = set(re.findall(r"(%s_\w+): i32", body.split("\n", 1)[0]))  # s_* by convention
+    from_pid: set[str] = set()
+    from_stride = set(strides)
+    narrow = []
+    for line in body.splitlines():
+        m = re.match(r"\s*(%[\w.]+) = (\S+) (.*?) : (\S+)", line)
+        if not m:
+            continue
+        name, op, operands, result = m.groups()
+        used = set(_SSA.findall(operands))
+        if op == "tt.get_program_id":
+            from_pid.add(name)
+        elif op != "arith.extsi" and result == "i32":
+            if used & from_pid:
+                if op == "arith.muli" and used & from_stride:
+                    narrow.append(name)
+                from_pid.add(name)
+            elif used & from_stride:
+                from_stride.add(name)
+    return narrow
 
 
 class _Recorder:

@@ -75,8 +75,9 @@ def _tree_attention_kernel(
     # a prefix length read on the device lets CUDA graphs replay with new lengths
     prefix_len = tl.load(PREFIX).to(tl.int32) if PREFIX_IN_MEMORY else PREFIX
     pid_m = tl.program_id(0)
-    b = tl.program_id(1) // H_KV
-    hk = tl.program_id(1) % H_KV
+    # int64 base offsets: b * s_kb passes 2^31 on large caches (docs/design.md)
+    b = tl.program_id(1).to(tl.int64) // H_KV
+    hk = tl.program_id(1).to(tl.int64) % H_KV
     r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     node = r % n
     head = hk * GROUP + r // n
@@ -150,8 +151,8 @@ def _combine_kernel(
     H_KV, GROUP: tl.constexpr, D, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     # Merge the key ranges' partial outputs, weighted by their sum-exp.
-    b = tl.program_id(1) // H_KV
-    hk = tl.program_id(1) % H_KV
+    b = tl.program_id(1).to(tl.int64) // H_KV
+    hk = tl.program_id(1).to(tl.int64) % H_KV
     r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = r < GROUP * n
     d = tl.arange(0, BLOCK_D)

@@ -45,7 +45,7 @@ def _topk_d2t_kernel(
     # ordered after the previous pick (value descending, then index ascending),
     # so k small (draft top-k, or the argmax) costs k reads from L2, no sort.
     # The first pass also folds the log-sum-exp in, online.
-    m = tl.program_id(0)
+    m = tl.program_id(0).to(tl.int64)  # row offsets pass 2^31 at 128k-vocab sizes
     row = X + m * s_x
     offs = tl.arange(0, BLOCK_V)
     kk = tl.arange(0, K_PAD)

@@ -60,12 +60,12 @@ def _verify_greedy_kernel(
     TOK, PAR, AM, PATH, LEN, BONUS, n, s_tok, s_par, s_am, s_path, BLOCK_N: tl.constexpr
 ):
     # One program per tree; the walk is sequential but each step is one vector op.
-    b = tl.program_id(0)
+    b = tl.program_id(0).to(tl.int64)  # base offsets in int64 (docs/design.md)
     j = tl.arange(0, BLOCK_N)
     valid = j < n
     tok = tl.load(TOK + b * s_tok + j, mask=valid, other=-1)
     par = tl.load(PAR + b * s_par + j, mask=valid, other=-2)
-    cur = tl.program_id(0).to(tl.int64) * 0
+    cur = b * 0
     length = cur
     path = tl.where(j == 0, 0, -1).to(tl.int64)
     for _ in range(1, n):

@@ -57,8 +57,9 @@ def _compact_kv_kernel(
 ):  # fmt: skip
     # One program per (layer x batch row, kv head), copying in order of i: a source
     # is never a destination written earlier, since src_slots[i] >= dst_start + i.
-    b = tl.program_id(0)
-    h = tl.program_id(1)
+    # int64: with every layer stacked, b * s_kb passes 2^31 at 8B-70B cache sizes
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
     src_row = SRC + (b % batch) * s_src
     d = tl.arange(0, BLOCK_D)
     k_row = K + b * s_kb + h * s_kh + d * s_kd

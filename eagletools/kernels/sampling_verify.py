@@ -95,7 +95,7 @@ def _verify_sampling_kernel(
     # One program per tree. Each step reads the current node's row once (its
     # mass) and tries all its children in one vector op; the final draw finds
     # the block where the residual CDF crosses u * mass, then the token in it.
-    b = tl.program_id(0)
+    b = tl.program_id(0).to(tl.int64)  # base offsets in int64 (docs/design.md)
     j = tl.arange(0, BLOCK_N)
     valid = j < n
     tok = tl.load(TOK + b * s_tok + j, mask=valid, other=-1)
@@ -104,7 +104,7 @@ def _verify_sampling_kernel(
     same = (tok[:, None] == tok[None, :]) & (par[:, None] == par[None, :])
     dup = tl.max((same & (j[None, :] < j[:, None])).to(tl.int32), 1) > 0
     vv = tl.arange(0, BLOCK_V)
-    cur = tl.program_id(0).to(tl.int64) * 0
+    cur = b * 0
     length = cur
     path = tl.where(j == 0, 0, -1).to(tl.int64)
     child = j < 0
