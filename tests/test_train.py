@@ -551,3 +551,52 @@ def test_train_oov_skips_the_full_product_in_training_only(tmp_path, monkeypatch
     _, result = run(tmp_path, tiny_config("training.train_oov=true"))
     assert calls["train"] == 0 and calls["eval"] > 0
     assert result["steps"] == 8 and 1 <= result["simulated_acceptance_length"] <= 5
+
+
+def _swap_parameters_on_prepare(monkeypatch):
+    """`prepare` as FSDP2 does it: every draft parameter becomes a new object, and the
+    optimizer's groups are remapped to the new ones (what accelerate does itself)."""
+    from accelerate import Accelerator
+
+    prepare = Accelerator.prepare
+
+    def swapping(self, model, optimizer):
+        model, optimizer = prepare(self, model, optimizer)
+        new = {}
+        for module in model.draft.modules():
+            for name, p in list(module.named_parameters(recurse=False)):
+                new[p] = torch.nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
+                setattr(module, name, new[p])
+        for group in optimizer.param_groups:
+            group["params"] = [new[p] for p in group["params"]]
+        return model, optimizer
+
+    monkeypatch.setattr(Accelerator, "prepare", swapping)
+
+
+def test_clipping_sees_the_parameters_prepare_swapped_in(tmp_path, monkeypatch):
+    """FSDP2 replaces the parameters inside `prepare`: the trainer must clip the new
+    ones, or clipping sees no gradient, returns 0 and clips nothing."""
+    clip = 1e-3
+
+    def one_step(name):
+        config = tiny_config("training.max_steps=1", f"training.grad_clip={clip}")
+        trainer = Trainer(
+            config, tmp_path / name, online_inputs(config, tiny_target(), random_dataset())
+        )
+        seen = []
+        step = trainer.optimizer.step
+
+        def norm_at_step(*args, **kwargs):
+            grads = [p.grad for g in trainer.optimizer.param_groups for p in g["params"]]
+            seen.append(float(torch.cat([g.flatten() for g in grads if g is not None]).norm()))
+            return step(*args, **kwargs)
+
+        trainer.optimizer.step = norm_at_step
+        return trainer.train_step()["grad_norm"], seen[0]
+
+    plain, plain_update = one_step("plain")
+    _swap_parameters_on_prepare(monkeypatch)
+    swapped, swapped_update = one_step("swapped")
+    assert plain > clip and swapped == pytest.approx(plain, rel=1e-5)
+    assert swapped_update == pytest.approx(clip, rel=1e-3)  # the update was clipped

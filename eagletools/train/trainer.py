@@ -320,7 +320,7 @@ class Trainer:
         from eagletools.train.muon import MuonAdamW, muon_groups
 
         t = self.config.training
-        self.params = [p for p in model.draft.parameters() if p.requires_grad]
+        trained = [p for p in model.draft.parameters() if p.requires_grad]
         if t.optimizer == "muon":
             groups = muon_groups(model.draft.named_parameters(), t.muon_lr_ratio)
             optimizer = MuonAdamW(
@@ -329,12 +329,15 @@ class Trainer:
             )  # fmt: skip
         else:
             optimizer = torch.optim.AdamW(
-                self.params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay,
+                trained, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay,
                 # one kernel per step instead of ~10 per tensor: 5 vs 31 ms for the SmolLM2
                 # draft on CPU
                 fused=self.device.type in ("cpu", "cuda"),
             )  # fmt: skip
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+        # after prepare: FSDP2 swaps every parameter for a new one, and clipping the old
+        # objects would see no gradients (docs/design.md, GPU scale)
+        self.params = [p for p in self._unwrapped().draft.parameters() if p.requires_grad]
         if t.compile:  # one graph over all sequence lengths (held-out evaluation stays eager)
             if self.device.type == "cpu":
                 require_cpu_compiler("training.compile")
