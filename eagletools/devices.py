@@ -46,7 +46,11 @@ def resolve_device(spec: str = "auto", where: str = "--device") -> torch.device:
     if device is None or (device.type == "cuda" and device.index is None):
         from accelerate import PartialState
 
-        return PartialState(cpu=not cuda).device  # under accelerate launch: this rank's GPU
+        device = PartialState(cpu=not cuda).device  # under accelerate launch: this rank's GPU
+    if device.type == "cuda" and device.index is not None:
+        # Triton launches and CUDA-graph capture use the current device, not the
+        # tensors': without this, cuda:1 would launch on device 0 with cuda:1's pointers
+        torch.cuda.set_device(device)
     return device
 
 

@@ -110,3 +110,15 @@ def test_the_bf16_speedup_is_measured_once():
     first = cpu_bf16_speedup()
     # a CPU without bf16 units measured 0.013 (2-core EPYC, 2026-12-04)
     assert 0 < first < 20 and cpu_bf16_speedup() == first
+
+
+def test_cuda_n_is_made_the_current_device(cuda, monkeypatch):
+    """Triton launches and CUDA-graph capture follow the current device, not the
+    tensors': `--device cuda:1` must make device 1 current, or kernels launch on 0."""
+    current = []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: current.append(torch.device(d)))
+    assert resolve_device("cuda:1") == torch.device("cuda:1")
+    assert current == [torch.device("cuda:1")]
+    resolve_device("cpu")
+    assert current == [torch.device("cuda:1")]  # a CPU run leaves CUDA alone
