@@ -600,3 +600,17 @@ def test_clipping_sees_the_parameters_prepare_swapped_in(tmp_path, monkeypatch):
     swapped, swapped_update = one_step("swapped")
     assert plain > clip and swapped == pytest.approx(plain, rel=1e-5)
     assert swapped_update == pytest.approx(clip, rel=1e-3)  # the update was clipped
+
+
+def test_regeneration_identity_follows_the_chat_template(tmp_path):
+    """Prompts are rendered with data.chat_template: replies made under another template,
+    or an edited template file, are not reused."""
+    template = tmp_path / "chat.jinja"
+    identities = []
+    for text in ("{{ messages[0]['content'] }}", "{{ messages[-1]['content'] }}"):
+        template.write_text(text)
+        identities.append(
+            trainer_mod._regeneration_identity(tiny_config(f"data.chat_template={template}"))
+        )
+    identities.append(trainer_mod._regeneration_identity(tiny_config()))
+    assert len({json.dumps(i, sort_keys=True) for i in identities}) == 3

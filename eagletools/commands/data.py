@@ -210,7 +210,7 @@ def _regenerate(args: argparse.Namespace) -> int:
         generate = server_generator(args.server, sampling, args.model, args.batch_size)
         backend = {"server": args.server, "model": args.model}
     else:
-        from eagletools.data.chat import set_chat_template
+        from eagletools.data.chat import read_chat_template, set_chat_template
         from eagletools.devices import resolve_device
         from eagletools.target import load_target
 
@@ -225,7 +225,7 @@ def _regenerate(args: argparse.Namespace) -> int:
         generate = local_generator(
             target, sampling, args.batch_size, args.max_prompt_tokens, layers
         )
-        backend = {"target": args.target, "chat_template": args.chat_template}
+        backend = {"target": args.target, "chat_template": read_chat_template(args.chat_template)}
     if args.max_turns is not None and args.max_turns < 1:
         raise UserError(f"--max-turns must be at least 1, got {args.max_turns}")
     identity = {"data": args.data, "split": args.data_split, "revision": args.data_revision,

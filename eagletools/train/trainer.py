@@ -808,10 +808,14 @@ def regenerated_data(
 
 
 def _regeneration_identity(config: TrainConfig) -> dict[str, Any]:
-    """What the regenerated replies depend on; replies made with other values are not reused."""
+    """What the regenerated replies depend on; replies made with other values are not reused.
+    The template's text, not its file name: prompts are rendered with it."""
+    from eagletools.data.chat import read_chat_template
+
     d = config.data
     return {"data": d.train, "split": d.split, "revision": d.revision,
             "num_samples": d.num_samples, "target": config.target.spec,
+            "chat_template": read_chat_template(d.chat_template),
             "seed": config.training.seed, **dataclasses.asdict(d.regenerate)}  # fmt: skip
 
 
