@@ -184,3 +184,19 @@ def test_wandb_offline(tiny_target, tmp_path, monkeypatch):
     log_wandb(results, files, project="eagletools-test")
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["eval", "--output-dir", "out"], ["eval", "--engine", "llama.cpp", "--output-dir", "out"],
+     ["generate", "hello"]],
+    ids=["eval", "eval --engine", "generate"],
+)  # fmt: skip
+def test_an_empty_or_missing_draft_is_a_usage_error(argv, tmp_path, capsys):
+    """Plain decoding alone is asked for by omitting --draft, never by an empty one."""
+    with pytest.raises(SystemExit) as exit_:
+        main([*argv, "--draft", " "])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "--draft" in err and "omit --draft" in err, err
+    assert main([*argv, "--draft", str(tmp_path / "nope")]) == 2
+    assert "--draft " in (err := capsys.readouterr().err) and "no such file" in err, err

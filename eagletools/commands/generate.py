@@ -4,9 +4,21 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from eagletools.commands import add_chat_template_argument, add_command, add_device_argument
 from eagletools.dtypes import dtype_arg
+
+
+def draft_argument(value: str) -> str:
+    """`--draft` as given, refused when empty: a run that silently fell back to plain
+    decoding would report null acceptance and exit 0."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError(
+            "empty; give a draft folder (or .gguf file), random[:SEED], or omit --draft "
+            "to run plain decoding only"
+        )
+    return value
 
 
 def add_decoding_args(p: argparse.ArgumentParser) -> None:
@@ -16,6 +28,7 @@ def add_decoding_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--draft",
+        type=draft_argument,
         help="draft checkpoint folder (any supported format), or random[:SEED] for an untrained "
         "head; without it only plain decoding runs",
     )
@@ -59,6 +72,13 @@ def settings_from_args(args: argparse.Namespace, **extra):
         from eagletools.errors import UserError
 
         raise UserError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    draft = args.draft
+    if draft and draft != "random" and not draft.startswith("random:") and not Path(draft).exists():
+        from eagletools.errors import UserError
+
+        raise UserError(
+            f"--draft {draft}: no such file or folder (omit --draft for plain decoding)"
+        )
     names = (
         "target", "draft", "max_new_tokens", "temperature", "top_k", "top_p", "topk", "depth",
         "num_draft_tokens", "dtype", "device", "threads", "seed", "allow_pickle", "chat_template",
