@@ -196,8 +196,48 @@ def write_kv(
     return cache_k[:, :, :end], cache_v[:, :, :end]
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The T queries as the last T of the S keys, each seeing the keys up to itself,
+    through SDPA's fused kernels at any length.
+
+    A boolean mask keeps flash attention out, and with `enable_gqa` CUDA's
+    memory-efficient kernel too, leaving the math kernel and its full [Hq,T,S]
+    scores (8.6 GB a layer for an 8k prompt at 8B widths). An empty prefix needs
+    no mask (`is_causal`); after a prefix, queries go in chunks whose masks stay
+    small, with K/V expanded to the query heads where GQA would block the kernel.
+    """
+    t, s = q.shape[2], k.shape[2]
+    if t == 1 or s == t:  # one query sees every key; no prefix: plain causal
+        return F.scaled_dot_product_attention(q, k, v, is_causal=t > 1, enable_gqa=True)
+    k, v = _heads_for_mask(q, k), _heads_for_mask(q, v)
+    out = torch.empty_like(q)
+    for r0 in range(0, t, CAUSAL_CHUNK):
+        r1 = min(t, r0 + CAUSAL_CHUNK)
+        end = s - t + r1
+        mask = torch.ones(r1 - r0, end, dtype=torch.bool, device=q.device).tril(s - t + r0)
+        out[:, :, r0:r1] = F.scaled_dot_product_attention(
+            q[:, :, r0:r1], k[:, :, :end], v[:, :, :end], attn_mask=mask,
+            enable_gqa=k.shape[1] != q.shape[1],
+        )  # fmt: skip
+    return out
+
+
+CAUSAL_CHUNK = 1024  # queries a masked SDPA call takes after a prefix: its mask is [1024, S]
+
+
+def _heads_for_mask(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    """K or V with one head per query head where a long masked call needs it (CUDA: the
+    memory-efficient kernel takes a mask but not GQA); CPU's flash kernel takes both, and
+    a few queries' scores are small (decoding steps keep the cache unexpanded)."""
+    group = q.shape[1] // kv.shape[1]
+    if group == 1 or q.device.type == "cpu" or q.shape[2] <= 64:
+        return kv
+    return kv.repeat_interleave(group, dim=1)
+
+
 def attention(q, k, v, mask: torch.Tensor | None, exact: bool = True) -> torch.Tensor:
-    """q [B,Hq,T,D] over k, v [B,Hkv,S,D]; mask [T,S] or [B,T,S] bool (True = attend) or None.
+    """q [B,Hq,T,D] over k, v [B,Hkv,S,D]; mask [T,S] or [B,T,S] bool (True = attend), or
+    None: the T queries are the last T keys, each seeing the keys up to itself.
 
     On CPU, for the few queries of decoding and tree verification, fp32
     matmuls with the query heads grouped per KV head beat CPU SDPA by 2-8x (its
@@ -214,17 +254,32 @@ def attention(q, k, v, mask: torch.Tensor | None, exact: bool = True) -> torch.T
     rounded to.
     """
     b, hq, t, d = q.shape
-    hkv, s = k.shape[1], k.shape[2]
+    s = k.shape[2]
     per_row = mask is not None and mask.dim() == 3  # [B,T,S]: a left-padded batch
     if t > 64 or q.device.type != "cpu":
         k, v = k.to(q.dtype), v.to(q.dtype)
+        if mask is None:
+            return causal_attention(q, k, v)
         attn_mask = mask[:, None] if per_row else mask
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=True)
+        k, v = _heads_for_mask(q, k), _heads_for_mask(q, v)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, enable_gqa=k.shape[1] != hq
+        )
+    if mask is None and t > 1:
+        mask = extend_mask(s - t, t, device=q.device)
     if exact and t == 1:
         # a lone query's fp32 score product takes another GEMM kernel on some CPUs (an
         # EPYC, Zen 4), rounding apart from the many-query one: run it as two copies
         mask = None if mask is None else mask.expand(*mask.shape[:-2], 2, s)
-        return attention(q.expand(b, hq, 2, d), k, v, mask)[:, :, :1]
+        return _grouped_attention(q.expand(b, hq, 2, d), k, v, mask, exact)[:, :, :1]
+    return _grouped_attention(q, k, v, mask, exact)
+
+
+def _grouped_attention(q, k, v, mask: torch.Tensor | None, exact: bool) -> torch.Tensor:
+    """`attention`'s few-query CPU path; mask None: every key visible."""
+    b, hq, t, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    per_row = mask is not None and mask.dim() == 3
     group = hq // hkv
     q32 = q.reshape(b * hkv, group * t, d).float()
     # a V cache already in this dtype (`Transformer.cache_dtypes`) is not converted
@@ -461,8 +516,8 @@ class Transformer(nn.Module):
         mask = None
         if on_device:
             mask = cache_mask(start, t, self.cache_len, tree_mask)
-        elif t > 1 or tree_mask is not None or key_mask is not None:
-            mask = extend_mask(start, t, tree_mask, self.device)
+        elif tree_mask is not None or key_mask is not None or 1 < t <= 64:
+            mask = extend_mask(start, t, tree_mask, self.device)  # longer: causal, maskless
         tree = None  # the new tokens' own block, for the Triton tree kernel
         if mask is not None and key_mask is None and t <= 64 and kernels.use_triton(input_ids):
             tree = tree_mask if tree_mask is not None else causal(t, self.device)

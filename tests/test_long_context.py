@@ -1,0 +1,66 @@
+"""Long prompts through the decode runtime: SDPA's fused kernels, never the math
+kernel's full [heads, T, S] score matrix (docs/design.md, GPU scale)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_model
+
+from eagletools.decode import model as decode_model
+from eagletools.decode.model import Transformer
+
+
+def test_long_prefill_and_a_long_turn_after_it_match_hf(family, monkeypatch):
+    """A 200-token prefill (causal, no mask) and 120 more tokens after it (chunked
+    masks: 3 chunks of 48) give Hugging Face's logits."""
+    monkeypatch.setattr(decode_model, "CAUSAL_CHUNK", 48)
+    model = tiny_model(family, seed=3, max_position_embeddings=512)
+    runtime = Transformer.from_hf(model)
+    runtime.setup_caches(1, 512)
+    ids = torch.randint(0, 256, (1, 320), generator=torch.Generator().manual_seed(2))
+    ref = model(ids).logits
+    first = runtime(ids[:, :200], torch.arange(200), 0)[0]
+    second = runtime(ids[:, 200:], torch.arange(200, 320), 200)[0]
+    assert (torch.cat([first, second], dim=1) - ref).abs().max() <= 1e-4
+
+
+PREFILL = textwrap.dedent(
+    """
+    import resource, sys
+    import torch
+    sys.path.insert(0, {tests!r})
+    from conftest import tiny_model
+    from eagletools.decode.model import Transformer
+
+    n = {n}
+    model = tiny_model("llama", max_position_embeddings=n, num_attention_heads=8,
+                       num_key_value_heads=2, hidden_size=64, num_hidden_layers=2)
+    runtime = Transformer.from_hf(model)
+    runtime.setup_caches(1, n)
+    ids = torch.randint(0, 256, (1, n))
+    with torch.no_grad():
+        runtime(ids[:, :8], torch.arange(8), 0)  # allocator and kernels warm, tiny
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        half = n // 2
+        runtime(ids[:, :half], torch.arange(half), 0)  # a prompt
+        runtime(ids[:, half:], torch.arange(half, n), half)  # a long turn after it
+    print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
+    """
+)
+
+
+@pytest.mark.slow
+def test_16k_tokens_never_build_the_score_matrix(tmp_path):
+    n = 16384
+    script = PREFILL.format(tests=str(Path(__file__).parent), n=n)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    grew = int(run.stdout.strip().splitlines()[-1])
+    scores = 8 * (n // 2) * n * 4  # one layer's fp32 [heads, T, S] for the second turn
+    assert grew < scores / 8, (grew, scores)
