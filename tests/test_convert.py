@@ -212,7 +212,9 @@ def write_big_target(folder, intermediate_size: int = 700_000) -> int:
 
     config = tiny_config("llama", intermediate_size=intermediate_size)
     with torch.device("meta"):
-        shapes = {k: v.shape for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()}
+        shapes = {
+            k: v.shape for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()
+        }
     header, offset = {"__metadata__": {"format": "pt"}}, 0
     for name, shape in shapes.items():
         end = offset + shape.numel() * 2
@@ -221,7 +223,9 @@ def write_big_target(folder, intermediate_size: int = 700_000) -> int:
     raw = json.dumps(header).encode()
     raw += b" " * (-len(raw) % 8)
     folder.mkdir(parents=True)
-    save_with_tokenizer(folder, SimpleNamespace(config=config, save_pretrained=config.save_pretrained))
+    save_with_tokenizer(
+        folder, SimpleNamespace(config=config, save_pretrained=config.save_pretrained)
+    )
     with open(folder / "model.safetensors", "wb") as f:
         f.write(len(raw).to_bytes(8, "little") + raw)
         f.truncate(8 + len(raw) + offset)

@@ -39,8 +39,10 @@ def rope_of(config: Any) -> tuple[float, dict[str, Any] | None]:
     if isinstance(config, dict):
         get = config.get
     else:
+
         def get(key: str) -> Any:
             return getattr(config, key, None)
+
     params = dict(get("rope_parameters") or get("rope_scaling") or {})
     theta = params.pop("rope_theta", None) or get("rope_theta") or DEFAULT_ROPE_THETA
     return float(theta), normalize_rope_scaling(params)
