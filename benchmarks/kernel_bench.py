@@ -10,8 +10,9 @@ move over this GPU's measured copy bandwidth.
     python benchmarks/kernel_bench.py --check    # the kernel tests first (compiled on a
                                             # GPU, in the Triton interpreter on CPU)
     python benchmarks/kernel_bench.py --compile-only [--arch 90]
-        # no GPU needed: compile every kernel for sm_90 at the table's shapes with
-        # Triton's bundled ptxas; reports registers and spills
+        # no GPU needed: compile every kernel for sm_<arch> at the table's shapes with
+        # Triton's bundled ptxas; reports registers, spills and shared memory, and fails
+        # past the arch's shared memory or on a 32-bit program-id x stride offset
 """
 
 from __future__ import annotations
@@ -170,6 +171,7 @@ def meta_launches() -> list[tuple[str, object, Callable[[], object]]]:
         (128, 8192, 128, torch.bfloat16, 1),
         (64, 8192, 128, torch.bfloat16, 8),  # keys split, then merged
         (7, 13, 24, torch.float32, 1),
+        (16, 100, 128, torch.float32, 1),  # fp32 at 8B head_dim: the largest tiles
         (64, 100, 64, torch.float16, 1),
     ]:
         q = torch.empty(1, HQ, n, d, device="meta", dtype=dt)
@@ -210,6 +212,10 @@ def recorded_launches(module, launch: Callable[[], object]) -> list[tuple[str, t
         for attr, jit in jits.items():
             setattr(module, attr, jit)
     return [(attr, args, kwargs, jits[attr]()) for attr, args, kwargs in calls]
+
+
+# dynamic shared memory a block may opt into, bytes (CUDA programming guide, per arch)
+SHARED_MEMORY = {80: 166_912, 86: 101_376, 89: 101_376, 90: 232_448, 100: 232_448, 120: 101_376}
 
 
 def compile_only(arch: int) -> int:
@@ -273,11 +279,14 @@ def compile_only(arch: int) -> int:
             line = next((x.strip() for x in usage.splitlines() if "REG:" in x), "")
             spills = "  register spills" if "STACK:0 " not in line else ""
             narrow = narrow_offsets(compiled.asm["ttir"])
-            if narrow:
-                print(f"{label:60} FAILED: 32-bit program-id x stride offsets: {narrow}")
+            shared = compiled.metadata.shared
+            if narrow or shared > SHARED_MEMORY[arch]:
+                why = f"32-bit program-id x stride offsets: {narrow}" if narrow else ""
+                why += f" shared memory {shared} B > {SHARED_MEMORY[arch]}" if not narrow else ""
+                print(f"{label:60} FAILED: {why}")
                 failed += 1
                 continue
-            print(f"{label:60} sm_{arch} ok  {line.split(' SHARED')[0]}{spills}")
+            print(f"{label:60} sm_{arch} ok  {line.split(' SHARED')[0]} SHARED:{shared}{spills}")
     return int(failed > 0)
 
 

@@ -211,9 +211,12 @@ def tree_attention_triton(
     if out is None:
         out = torch.empty_like(q)
     mask = tree_mask.view(torch.uint8) if tree_mask.dtype == torch.bool else tree_mask
-    block_m = min(64, next_pow2(group * n, floor=16))
+    # fp32 tiles at half the rows and keys: at 64 x 64 x 128 they need 180,736 B of
+    # shared memory, over every GPU's block limit but sm_90/100's (kernel_bench --compile-only)
+    wide = q.element_size() > 2
+    block_m = min(32 if wide else 64, next_pow2(group * n, floor=16))
     block_d = next_pow2(d, floor=16)
-    block_n = 64
+    block_n = 32 if wide else 64
     rows = group * n
     grid = (cdiv(rows, block_m), b * h_kv)
     # a device prefix is unknown here: split the cache's capacity, empty ranges cost nothing
@@ -235,7 +238,7 @@ def tree_attention_triton(
         PRECISION="ieee" if q.dtype == torch.float32 or interpreting() else "tf32",
         DOT_F32=interpreting(),
         PREFIX_IN_MEMORY=isinstance(prefix_len, torch.Tensor), SPLIT=splits > 1,
-        num_warps=8 if block_m * block_d >= 64 * 128 else 4,  # 4 spill registers on sm_90
+        num_warps=8 if block_m * block_d * q.element_size() >= 64 * 128 * 2 else 4,  # 4 spill here
     )  # fmt: skip
     if splits > 1:
         _combine_jit()[grid](
