@@ -7,8 +7,7 @@ refuse a draft that uses an option its engine does not honour, naming the
 option and the recipe field that set it. Each cell says how it is known:
 `run` (a check in this repository runs the engine's own code) or `read` (the
 engine's source or documentation, file:line at the pinned versions of
-docs/deploy.md); the two `unverified` cells have no source here and refuse
-to be safe. docs/formats.md holds the same table (`markdown_table`).
+docs/deploy.md). docs/formats.md holds the same table (`markdown_table`).
 """
 
 from __future__ import annotations
@@ -21,6 +20,8 @@ from eagletools.draft import DraftConfig
 from eagletools.errors import UserError
 from eagletools.target import default_aux_layer_ids
 
+# TensorRT-LLM's PyTorch backend, read at commit 00679c66 (the search tool's stored copy)
+TRTLLM = "tensorrt_llm/_torch/models/modeling_speculative.py"
 ENGINES = ("vllm", "sglang", "sgl-jax", "llama.cpp", "tensorrt-llm", "eagle")
 ENGINE_NAMES = {
     "vllm": "vLLM", "sglang": "SGLang", "sgl-jax": "sgl-jax", "llama.cpp": "llama.cpp",
@@ -63,7 +64,8 @@ OPTIONS = (
                                "srt/models/llama_eagle3.py:107-109"),
         "llama.cpp": Cell(True, "run: tests/test_gguf.py:145 (eagle3.norm_before_residual, "
                                 "as llama.cpp's own converter writes it)"),
-        "tensorrt-llm": Cell(False, "unverified: no source here names it; refused to be safe"),
+        "tensorrt-llm": Cell(False, f"read: {TRTLLM} Eagle3DecoderLayer.forward (residual "
+                                    "taken before hidden_norm, no option)"),
         "eagle": Cell(False, f"{SGLANG}:18-19 adapts SafeAILab eagle/model/cnets.py, "
                              "residual before hidden_norm"),
     }),
@@ -114,8 +116,8 @@ OPTIONS = (
         "sglang": Cell(False, f"{SGLANG} (LlamaForCausalLMEagle3: raises unless 1)"),
         "sgl-jax": Cell(False, "read: srt/models/llama_eagle3.py:236-237 raises unless 1"),
         "llama.cpp": Cell(False, "read: llama.cpp 11434 eagle3 has blk.0 only (formats.md, llama.cpp)"),
-        "tensorrt-llm": Cell(False, "unverified: no source here; the eagle layout has one "
-                                    "midlayer"),
+        "tensorrt-llm": Cell(True, f"read: {TRTLLM} Eagle3DraftModel.__init__ (num_hidden_layers "
+                                   "> 1: midlayer as a ModuleList)"),
         "eagle": Cell(False, "read: cnets.py has one midlayer (formats.md, eagle layout)"),
     }),
 )  # fmt: skip
