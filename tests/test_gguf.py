@@ -203,3 +203,19 @@ def test_qk_permutation_is_ggml_pair_layout(case):
     hd = 16
     assert torch.equal(got[0], src[0]) and torch.equal(got[1], src[hd // 2])
     assert torch.equal(got[hd + 2], src[hd + 1]) and torch.equal(got[hd + 3], src[hd + 1 + hd // 2])
+
+
+def test_embeddings_come_from_the_target_file_alone(case, tmp_path, monkeypatch):
+    """--with-embeddings reads the target's embedding tensor, never its whole model:
+    a 70B target would otherwise be loaded to copy one matrix."""
+    import eagletools.target
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("load_target called: the whole target was loaded")
+
+    monkeypatch.setattr(eagletools.target, "load_target", refuse)
+    out = tmp_path / "x.gguf"
+    args = ["convert", str(case / "eagle"), str(out), "--to", "gguf", "--with-embeddings"]
+    assert main([*args, "--target", str(case / "target")]) == 0
+    embed = next(t for t in gguf.GGUFReader(out).tensors if t.name == "token_embd.weight")
+    assert [int(n) for n in embed.shape] == [64, VOCAB]

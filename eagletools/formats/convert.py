@@ -102,16 +102,18 @@ def convert(
 
 
 def _target_for_gguf(spec: str, with_embeddings: bool, ckpt: Checkpoint) -> Any:
-    """The target to fit to: loaded when its embeddings are to be written, else its config alone.
+    """The target to fit to: its config and, when they are to be written, its input
+    embeddings read alone (a 70B target's other weights are never loaded), else its
+    config alone.
 
     Without weights its embedding is an empty [0, hidden] stand-in, so the
     checks compare widths and nothing is copied. It answers both ways checks
     ask a target for it (`.embeddings`, `.model.get_input_embeddings()`).
     """
-    from eagletools.target import TargetInfo, load_config, load_target
+    from eagletools.target import TargetInfo, load_config, load_target_summary
 
     if with_embeddings and EMBED not in ckpt.tensors:
-        return load_target(spec, dtype=ckpt.tensors["fc.weight"].dtype)
+        return load_target_summary(spec, dtype=ckpt.tensors["fc.weight"].dtype)
     info = TargetInfo.from_config(load_config(spec), spec)
     embedding = torch.nn.Embedding(0, info.hidden_size)
     model = SimpleNamespace(get_input_embeddings=lambda: embedding)
