@@ -12,14 +12,14 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from eagletools.decode import model as decode_model
+from eagletools import attention
 from eagletools.decode.model import Transformer
 
 
 def test_long_prefill_and_a_long_turn_after_it_match_hf(family, monkeypatch):
     """A 200-token prefill (causal, no mask) and 120 more tokens after it (chunked
     masks: 3 chunks of 48) give Hugging Face's logits."""
-    monkeypatch.setattr(decode_model, "CAUSAL_CHUNK", 48)
+    monkeypatch.setattr(attention, "CAUSAL_CHUNK", 48)
     model = tiny_model(family, seed=3, max_position_embeddings=512)
     runtime = Transformer.from_hf(model)
     runtime.setup_caches(1, 512)
@@ -68,3 +68,29 @@ def test_16k_tokens_never_build_the_score_matrix(tmp_path):
     grew = int(run.stdout.strip().splitlines()[-1])
     scores = 8 * (n // 2) * n * 4  # one layer's fp32 [heads, T, S] for the second turn
     assert grew < scores / 8, (grew, scores)
+
+
+def test_the_drafts_long_refresh_matches_its_masked_one():
+    """The draft's prompt pass without a mask (over 64 tokens, after a prefix) gives what
+    the masked pass gave."""
+    from conftest import tiny_draft_config
+
+    from eagletools.decode.model import extend_mask
+    from eagletools.draft import Eagle3Draft
+    from eagletools.draft.model import DraftKVCache
+
+    torch.manual_seed(0)
+    draft = Eagle3Draft(tiny_draft_config()).eval()
+    g = torch.Generator().manual_seed(1)
+    start, n = 30, 100
+    hidden = torch.randn(1, n, draft.config.hidden_size, generator=g)
+    ids = torch.randint(0, 256, (1, n), generator=g)
+    slots = start + torch.arange(n)
+    outs = []
+    for mask in (extend_mask(start, n), None):
+        cache = DraftKVCache.allocate(draft.config, 1, 256, torch.float32, "cpu")
+        cache.k.normal_(generator=torch.Generator().manual_seed(2))
+        cache.v.normal_(generator=torch.Generator().manual_seed(3))
+        outs.append(draft.decode(hidden, ids, slots, cache, slots, mask))
+    for masked, fused in zip(*outs, strict=True):
+        assert (masked - fused).abs().max() <= 1e-5

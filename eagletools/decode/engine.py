@@ -440,6 +440,8 @@ class SpeculativeDecoder(BaselineDecoder):
         slots = start + torch.arange(n, device=tokens.device)
         if isinstance(start, torch.Tensor):  # every slot, hidden after the new ones
             mask = cache_mask(start, n, self.cache.k.shape[2])
+        elif n > 64:  # a prompt: causal without a mask, through SDPA's fused kernels
+            mask = None
         else:
             mask = extend_mask(start, n, device=tokens.device)
         logits, h = self.draft.decode(hidden, tokens[None], slots, self.cache, slots, mask)

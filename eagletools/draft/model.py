@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eagletools.attention import causal_attention, heads_for_mask
 from eagletools.cpu_ops import linear
 from eagletools.draft.config import DraftConfig
 from eagletools.rope import RotaryEmbedding, apply_rope
@@ -329,7 +330,7 @@ class Eagle3Draft(nn.Module):
         positions: torch.Tensor,
         cache: DraftKVCache,
         slots: torch.Tensor,
-        mask: torch.Tensor,
+        mask: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft forward over n new tokens for decoding.
 
@@ -337,11 +338,12 @@ class Eagle3Draft(nn.Module):
         output), input_ids [B,n], positions [n] or [B,n] (below
         `max_position_embeddings`). K/V are written at cache `slots` [n]; the
         queries attend over cache slots `[0, mask.shape[-1])` where `mask`
-        [n, L] (or [B,1,n,L]) is True; the cache holds K/V in the draft's
-        dtype. Returns (draft logits [B,n,Vd], the hidden the next step takes
-        [B,n,H]). The layer of `midlayer.qkv` and `finish`, through
-        `decode_weights()`; its shapes depend on n and L only, and nothing is
-        read back from the device.
+        [n, L] (or [B,1,n,L]) is True, or, with mask None (a prompt), causally
+        over slots up to `slots[-1]` (read back once); the cache holds K/V in the
+        draft's dtype. Returns (draft logits [B,n,Vd], the hidden the next step
+        takes [B,n,H]). The layer of `midlayer.qkv` and `finish`, through
+        `decode_weights()`; with a mask its shapes depend on n and L only, and
+        nothing is read back from the device.
         """
         fused = self.decode_weights()
         layer = self.midlayer
@@ -361,14 +363,18 @@ class Eagle3Draft(nn.Module):
         q, k = qk.transpose(1, 2).split([nh, nkv], dim=1)
         cache.k.index_copy_(2, slots, k)
         cache.v.index_copy_(2, slots, v.view(b, n, nkv, hd).transpose(1, 2))
-        length = mask.shape[-1]
-        out = F.scaled_dot_product_attention(
-            q,
-            cache.k[:, :, :length],
-            cache.v[:, :, :length],
-            attn_mask=mask,
-            enable_gqa=True,
-        )
+        if mask is None:  # a long causal run (a prompt): fused kernels, no mask
+            length = int(slots[-1]) + 1
+            out = causal_attention(q, cache.k[:, :, :length], cache.v[:, :, :length])
+        else:
+            length = mask.shape[-1]
+            k, v = (
+                heads_for_mask(q, cache.k[:, :, :length]),
+                heads_for_mask(q, cache.v[:, :, :length]),
+            )
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != nh
+            )
         residual = normed if layer.norm_before_residual else hidden
         h = linear(out.transpose(1, 2).reshape(b, n, nh * hd), attn.o_proj.weight, None) + residual
         gate, up = linear(layer.post_attention_layernorm(h), fused.gate_up, None).chunk(2, -1)
