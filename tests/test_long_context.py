@@ -54,20 +54,38 @@ PREFILL = textwrap.dedent(
         half = n // 2
         runtime(ids[:, :half], torch.arange(half), 0)  # a prompt
         runtime(ids[:, half:], torch.arange(half, n), half)  # a long turn after it
-    print((peak_kb() - before) * 1024)
+        print((peak_kb() - before) * 1024)
+        # the draft's prompt pass, as the decoder's refresh runs it: a turn after a prefix
+        from conftest import tiny_draft_config
+        from eagletools.draft import Eagle3Draft
+        from eagletools.draft.model import DraftKVCache
+
+        config = tiny_draft_config(max_position_embeddings=n, num_attention_heads=8,
+                                   num_key_value_heads=2)
+        draft = Eagle3Draft(config).eval()
+        cache = DraftKVCache.allocate(config, 1, n, torch.float32, "cpu")
+        draft.decode(torch.randn(1, 8, 64), ids[:, :8], torch.arange(8), cache,
+                     torch.arange(8), None)
+        before = peak_kb()
+        slots = torch.arange(half, n)
+        draft.decode(torch.randn(1, half, 64), ids[:, half:], slots, cache, slots, None)
+        print((peak_kb() - before) * 1024)
     """
 )
 
 
 @pytest.mark.slow
 def test_16k_tokens_never_build_the_score_matrix(tmp_path):
+    """A 16k-token prompt in two turns through the target runtime, and the second turn
+    through the draft, each grow the process far less than one layer's scores."""
     n = 16384
     script = PREFILL.format(tests=str(Path(__file__).parent), n=n)
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-3000:]
-    grew = int(run.stdout.strip().splitlines()[-1])
     scores = 8 * (n // 2) * n * 4  # one layer's fp32 [heads, T, S] for the second turn
-    assert grew < scores / 8, (grew, scores)
+    target, draft = (int(line) for line in run.stdout.split())
+    assert target < scores / 8, (target, scores)
+    assert draft < scores / 8, (draft, scores)
 
 
 def test_the_drafts_long_refresh_matches_its_masked_one():
@@ -94,3 +112,17 @@ def test_the_drafts_long_refresh_matches_its_masked_one():
         outs.append(draft.decode(hidden, ids, slots, cache, slots, mask))
     for masked, fused in zip(*outs, strict=True):
         assert (masked - fused).abs().max() <= 1e-5
+
+
+def test_long_attention_runs_on_cpus_flash_kernel(monkeypatch):
+    """With only the flash kernel allowed, SDPA raises rather than fall back to the math
+    kernel: both the maskless prompt and the chunked turn after a prefix run on it."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    monkeypatch.setattr(attention, "CAUSAL_CHUNK", 48)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 8, 120, 16, generator=g)
+    k, v = torch.randn(2, 1, 2, 300, 16, generator=g)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        attention.causal_attention(q, k[:, :, :120], v[:, :, :120])
+        attention.causal_attention(q, k, v)
