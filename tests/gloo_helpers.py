@@ -41,3 +41,27 @@ def _gloo_thread_names() -> list[str]:
         except FileNotFoundError:  # the thread ended meanwhile
             continue
     return [n for n in names if "gloo" in n]
+
+
+def fsdp_on_cpu() -> None:
+    """Let accelerate run an FSDP launch on CPU processes over gloo, as it would on GPUs.
+
+    accelerate turns an FSDP launch without GPUs into DDP (it picks FSDP only for GPU-like
+    devices), while FSDP2 itself shards over gloo. From here on, an `Accelerator` given an
+    FSDP plugin (ACCELERATE_USE_FSDP, FSDP_VERSION) in a CPU process group runs FSDP: its
+    own `prepare` calls `fully_shard` and remaps the optimizer, as on GPUs.
+    """
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType
+
+    init = AcceleratorState.__init__
+
+    def with_fsdp(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        plugin = kwargs.get("fsdp_plugin")
+        if plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            self.distributed_type = DistributedType.FSDP
+            self.fsdp_plugin = plugin
+            PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+
+    AcceleratorState.__init__ = with_fsdp

@@ -1,12 +1,14 @@
-"""Checkpoints of a draft sharded by FSDP2, on two CPU processes over gloo.
+"""A draft sharded by FSDP2 on two CPU processes over gloo: checkpoints and clipping.
 
-accelerate runs an FSDP launch as DDP when there is no GPU, so this drives
-`fully_shard` directly: the checkpoint functions the trainer calls must write
-the unsharded tensors and bring a fresh sharded run back onto the same step.
+The checkpoint test drives `fully_shard` directly: the checkpoint functions the
+trainer calls must write the unsharded tensors and bring a fresh sharded run back
+onto the same step. The clipping test runs the Trainer through accelerate's own
+FSDP2 `prepare`, which accelerate keeps for GPUs unless `fsdp_on_cpu` lets it.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -14,6 +16,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 from gloo_helpers import free_port
 
 SCRIPT = textwrap.dedent(
@@ -103,3 +106,84 @@ def test_fsdp_checkpoint_is_unsharded_and_resumes(tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert done.stdout.count(" ok ") == 2
+
+
+STEP_SCRIPT = textwrap.dedent(
+    """
+    import faulthandler, json, os, sys
+    faulthandler.dump_traceback_later(240, exit=True)  # a hang fails with every thread's stack
+    sys.path.insert(0, {tests!r})
+    from gloo_helpers import fsdp_on_cpu
+    fsdp_on_cpu()
+    from pathlib import Path
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    from test_train import random_dataset, tiny_config, tiny_target
+
+    from eagletools.train.trainer import Trainer, online_inputs
+
+    out, batch_size, clip = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+    config = tiny_config(f"training.batch_size={{batch_size}}", "training.max_steps=1",
+                         f"training.grad_clip={{clip}}")
+    trainer = Trainer(config, out, online_inputs(config, tiny_target(), random_dataset()))
+    sharded = dist.is_initialized()
+    if sharded:  # accelerate's prepare sharded the draft: FSDP2, not DDP
+        assert trainer.accelerator.is_fsdp2, trainer.accelerator.distributed_type
+        assert isinstance(trainer.draft.fc.weight, DTensor)
+
+    def full(t):
+        return t.full_tensor() if isinstance(t, DTensor) else t
+
+    stepped, step = [], trainer.optimizer.step
+
+    def recorded(*args, **kwargs):  # the norm of the gradient the update is made of
+        grads = [full(p.grad).flatten() for g in trainer.optimizer.param_groups
+                 for p in g["params"] if p.grad is not None]
+        stepped.append(float(torch.cat(grads).norm()))
+        return step(*args, **kwargs)
+
+    trainer.optimizer.step = recorded
+    grad_norm = trainer.train_step()["grad_norm"]
+    params = {{n: full(p.detach()).clone() for n, p in trainer.draft.named_parameters()}}
+    if not sharded or dist.get_rank() == 0:
+        out.mkdir(exist_ok=True)  # one step writes no checkpoint
+        torch.save(params, out / "params.pt")
+        (out / "step.json").write_text(json.dumps({{"grad_norm": grad_norm, "stepped": stepped}}))
+    if sharded:
+        dist.barrier()  # every rank is done with the group
+        dist.destroy_process_group()
+    # FSDP2's gloo threads can outlive the group (see SCRIPT): leave without interpreter exit
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+    """
+)
+
+
+@pytest.mark.slow
+def test_fsdp2_trainer_clips_the_sharded_gradients(tmp_path):
+    """FSDP2 swaps every parameter inside accelerate's `prepare`: the trainer must clip the
+    new ones, or clipping sees no gradient, logs a grad_norm of 0 and clips nothing."""
+    script, clip = tmp_path / "step.py", 1e-3
+    script.write_text(STEP_SCRIPT.format(tests=str(Path(__file__).parent)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # the same global batch of 4: one process alone, then two FSDP2 ranks of 2
+    one = subprocess.run([sys.executable, str(script), str(tmp_path / "one"), "4", str(clip)],
+                         capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
+    assert one.returncode == 0, one.stderr[-3000:]
+    torchrun = Path(sys.executable).parent / "torchrun"
+    cmd = [str(torchrun), "--nproc_per_node", "2", "--master_port", str(free_port()),
+           str(script), str(tmp_path / "two"), "2", str(clip)]  # fmt: skip
+    fsdp = {**env, "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}
+    two = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=fsdp)
+    assert two.returncode == 0, two.stdout[-2000:] + two.stderr[-3000:]
+    a, b = (json.loads((tmp_path / run / "step.json").read_text()) for run in ("one", "two"))
+    assert a["grad_norm"] > 100 * clip  # the step is clipped
+    assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+    assert a["stepped"] == b["stepped"] == pytest.approx([clip], rel=1e-3)
+    alone, sharded = (torch.load(tmp_path / run / "params.pt") for run in ("one", "two"))
+    assert alone.keys() == sharded.keys()
+    for name, p in alone.items():  # the same update: the clipped step, on every shard
+        assert torch.allclose(sharded[name], p, atol=1e-6), name
