@@ -8,6 +8,7 @@ later.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import statistics
 import time
@@ -48,10 +49,23 @@ def resolve_device(spec: str = "auto", where: str = "--device") -> torch.device:
 
         device = PartialState(cpu=not cuda).device  # under accelerate launch: this rank's GPU
     if device.type == "cuda" and device.index is not None:
-        # Triton launches and CUDA-graph capture use the current device, not the
-        # tensors': without this, cuda:1 would launch on device 0 with cuda:1's pointers
+        # current for the whole command: Triton launches, CUDA-graph capture and the rest
+        # follow the current device, not their tensors' (`device_guard`)
         torch.cuda.set_device(device)
     return device
+
+
+def device_guard(device: torch.device) -> contextlib.AbstractContextManager:
+    """`device` made the current CUDA device while the context lasts (nothing off CUDA).
+
+    Triton launches and CUDA-graph capture and replay go to the current device and its
+    stream, whatever device their tensors are on: on device 0 with `cuda:1`'s pointers,
+    a kernel fails or reads the wrong memory. The decode runtime enters this around its
+    work, so a model on `cuda:1` runs there even when no command resolved the device.
+    """
+    import torch
+
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def fast_matmul_dtype(device: torch.device) -> torch.dtype:

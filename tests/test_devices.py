@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -122,3 +125,129 @@ def test_cuda_n_is_made_the_current_device(cuda, monkeypatch):
     assert current == [torch.device("cuda:1")]
     resolve_device("cpu")
     assert current == [torch.device("cuda:1")]  # a CPU run leaves CUDA alone
+
+
+class Guards:
+    """`torch.cuda.device` on a machine without CUDA: records the devices made current."""
+
+    def __init__(self):
+        self.current: list[torch.device] = []  # the guards entered and not yet left
+        self.entered: list[torch.device] = []
+
+    def __call__(self, device):
+        guards = self
+
+        class Guard:
+            def __enter__(self):
+                guards.current.append(torch.device(device))
+                guards.entered.append(torch.device(device))
+
+            def __exit__(self, *exc):
+                guards.current.pop()
+
+        return Guard()
+
+
+@pytest.fixture
+def guards(monkeypatch):
+    guards = Guards()
+    monkeypatch.setattr(torch.cuda, "device", guards)
+    return guards
+
+
+@pytest.mark.parametrize("argv", MODEL_COMMANDS, ids=lambda a: " ".join(a[:2]))
+def test_every_command_makes_cuda_n_current(argv, cuda, monkeypatch):
+    """`--device cuda:1` on each command: device 1 is current before any model is loaded."""
+
+    class Current(Exception):
+        pass
+
+    def set_device(device):
+        raise Current(torch.device(device))
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    # regenerate reads its conversations before the target: none here
+    nothing = ([], SimpleNamespace(summary=lambda: "no conversations"))
+    monkeypatch.setattr("eagletools.data.conversations.load_conversations", lambda *a: nothing)
+    with pytest.raises(Current) as made:
+        main([*argv, "--device", "cuda:1"])
+    assert made.value.args == (torch.device("cuda:1"),)
+
+
+def test_device_guard_makes_a_cuda_device_current(guards):
+    from eagletools.devices import device_guard
+
+    with device_guard(torch.device("cuda:1")):
+        assert guards.current == [torch.device("cuda:1")]
+    with device_guard(torch.device("cpu")):
+        assert guards.current == []  # off CUDA, nothing to make current
+    assert guards.entered == [torch.device("cuda:1")]
+
+
+def test_graph_capture_and_replay_on_their_device(guards, monkeypatch):
+    """A graph for `cuda:1` is captured (on a stream `torch.cuda.graph` makes on the current
+    device) and replayed with device 1 current, whichever device was current before."""
+    from eagletools.decode.graphs import StaticCall
+
+    events = []
+
+    class Fake:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def wait_stream(self, other):
+            pass
+
+        def replay(self):
+            events.append(("replay", list(guards.current)))
+
+    @contextlib.contextmanager
+    def capture(graph):
+        events.append(("capture", list(guards.current)))
+        yield
+
+    monkeypatch.setattr(torch.cuda, "Stream", Fake)
+    monkeypatch.setattr(torch.cuda, "current_stream", Fake)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Fake)
+    monkeypatch.setattr(torch.cuda, "graph", capture)
+    call = StaticCall(lambda x: (x + 1,), torch.device("cuda:1"), tuple)
+    call(torch.zeros(2))  # set up, captured and replayed once
+    call(torch.ones(2))  # replayed
+    on_1 = [torch.device("cuda:1")]
+    assert events == [("capture", on_1), ("replay", on_1), ("replay", on_1)]
+
+
+def test_the_decoder_launches_under_its_models_device(monkeypatch):
+    """The decode runtime makes its model's device current around a generation, so its
+    Triton kernels launch there even when no command resolved the device (Python API)."""
+    from conftest import tiny_model
+
+    from eagletools import kernels
+    from eagletools.decode import engine
+    from eagletools.decode.model import Transformer
+    from eagletools.draft import Eagle3Draft
+
+    guarded, launched = [], []
+
+    @contextlib.contextmanager
+    def guard(device):
+        guarded.append(device)
+        yield
+        guarded.pop()
+
+    verify = kernels.verify_greedy
+
+    def recorded(*args):
+        launched.append(list(guarded))
+        return verify(*args)
+
+    monkeypatch.setattr(engine, "device_guard", guard)
+    monkeypatch.setattr(kernels, "verify_greedy", recorded)
+    model = tiny_model("llama", vocab_size=300)
+    n = model.config.num_hidden_layers
+    draft = Eagle3Draft.from_target(model, aux_layer_ids=[1, n // 2, n - 1])
+    runtime = Transformer.from_hf(model)
+    engine.SpeculativeDecoder(runtime, draft, None, 2, 3, 6).generate(list(range(10, 30)), 8)
+    assert launched and all(g == [runtime.device] for g in launched)

@@ -25,6 +25,7 @@ from eagletools.cpu_ops import argmax, pack_linears
 from eagletools.decode.graphs import graphed
 from eagletools.decode.model import Transformer, cache_mask, extend_mask, grown
 from eagletools.decode.tree import check_tree_shape, grow_tree, max_tree_nodes
+from eagletools.devices import device_guard
 from eagletools.errors import UserError
 
 
@@ -327,16 +328,17 @@ class BaselineDecoder:
         """Continue `prompt` (token ids); cached KV of a shared prefix is reused."""
         prompt = self._check_prompt(prompt)
         start = time.perf_counter()
-        self._reserve(len(prompt) + max_new_tokens + self.margin)
-        reuse = self._reusable(prompt)
-        logits, aux = self._prefill(prompt, reuse)
-        stop = _Stopper(self.tokenizer, self.eos_ids, max_new_tokens, stop_strings, on_text)
-        token = self._choose(logits, sampling, generator)
-        self.seq.append(token)
-        accepted = []
-        if not stop.add([token]):
-            self._decode(token, aux, reuse, stop, accepted, sampling, generator)
-        seconds = time.perf_counter() - start
+        with device_guard(self.model.device):  # Triton launches go to the current device
+            self._reserve(len(prompt) + max_new_tokens + self.margin)
+            reuse = self._reusable(prompt)
+            logits, aux = self._prefill(prompt, reuse)
+            stop = _Stopper(self.tokenizer, self.eos_ids, max_new_tokens, stop_strings, on_text)
+            token = self._choose(logits, sampling, generator)
+            self.seq.append(token)
+            accepted = []
+            if not stop.add([token]):
+                self._decode(token, aux, reuse, stop, accepted, sampling, generator)
+            seconds = time.perf_counter() - start
         return Result(stop.tokens, stop.text, stop.reason, len(prompt), reuse, seconds, accepted)
 
     def _decode(self, token, aux, reuse, stop, accepted, sampling, generator) -> None:

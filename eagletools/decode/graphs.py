@@ -15,6 +15,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from eagletools.devices import device_guard
+
 
 def graphed(
     fn: Callable, device: torch.device, state: Callable[[], Sequence[torch.Tensor]]
@@ -50,6 +52,11 @@ class StaticCall:
         self.graph = None
 
     def __call__(self, *args):
+        # capture (its stream) and replay go to the current device: make it this one
+        with device_guard(self.device):
+            return self._call(args)
+
+    def _call(self, args: tuple) -> tuple[torch.Tensor, ...]:
         key = tuple((t.data_ptr(), t.shape) for t in self.state())
         key += tuple((a.shape, a.dtype) if isinstance(a, torch.Tensor) else int for a in args)
         if key != self.key:
