@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 DEVICE = os.environ.get("EAGLETOOLS_KERNEL_TEST_DEVICE", "cpu")
 # Triton reads TRITON_INTERPRET when it is imported. eagletools.kernels never
@@ -34,7 +33,14 @@ from test_kernels import (
     sampling_inputs,
 )
 
-from eagletools.kernels import compact_kv, topk_d2t, tree_attention, verify_greedy, verify_sampling
+from eagletools.kernels import (
+    attention,
+    compact_kv,
+    topk_d2t,
+    tree_attention,
+    verify_greedy,
+    verify_sampling,
+)
 from eagletools.kernels.attention import tree_attention_reference, tree_attention_triton
 from eagletools.kernels.dispatch import use_triton
 from eagletools.kernels.draft_topk import topk_d2t_reference, topk_d2t_triton
@@ -80,6 +86,17 @@ def assert_same_ints(got, want):
     ],
 )
 def test_tree_attention(b, hq, hkv, n, prefix, d, dtype):
+    check_tree_attention(b, hq, hkv, n, prefix, d, dtype)
+
+
+@pytest.mark.parametrize("arch", [80, 90, 120])
+def test_tree_attention_with_each_archs_tiles(arch, monkeypatch):
+    """The tiles `tree_attention_triton` picks on each GPU (sm_90: 64 bf16 keys a step)."""
+    monkeypatch.setattr(attention, "target_arch", lambda: arch)
+    check_tree_attention(1, 8, 2, 33, 100, 64, torch.bfloat16)
+
+
+def check_tree_attention(b, hq, hkv, n, prefix, d, dtype):
     gen = generator("test_tree_attention", b, hq, hkv, n, prefix, d, dtype)
     # q as the decoder makes it: [B,N,Hq,D] transposed, so not contiguous
     q = torch.randn(b, n, hq, d, generator=gen).to(dtype).transpose(1, 2)
@@ -212,18 +229,6 @@ def test_dispatch(monkeypatch):
     assert not use_triton(t, torch.zeros(2))
     monkeypatch.setenv("EAGLETOOLS_KERNELS", "reference")
     assert not use_triton(t)
-
-
-@pytest.mark.parametrize("arch", [80, 90, 120])  # A100, H100/H200, RTX 50xx (101,376 B)
-def test_kernels_compile_for_real_gpus(arch):
-    """The compiler, not the interpreter, accepts every kernel (no GPU needed), within
-    the arch's shared memory and with no 32-bit program-id x stride offset."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "kernel_bench.py"
-    cmd = [sys.executable, str(script), "--compile-only", "--arch", str(arch)]
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
-    assert run.stdout.count(" ok ") == len(run.stdout.strip().splitlines()) >= 5, run.stdout
 
 
 @pytest.mark.skipif(not TRITON_ALREADY_COMPILING, reason="the tests above ran in this process")

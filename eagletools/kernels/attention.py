@@ -6,7 +6,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from eagletools.kernels.dispatch import cdiv, interpreting, lazy_jit, next_pow2, use_triton
+from eagletools.kernels.dispatch import (
+    cdiv,
+    interpreting,
+    lazy_jit,
+    next_pow2,
+    target_arch,
+    use_triton,
+)
 
 tl = None  # triton.language, bound by lazy_jit at the first launch
 
@@ -190,6 +197,23 @@ def _num_splits(programs: int, keys: int, device: torch.device) -> int:
     return max(1, min(cdiv(2 * sms, programs), keys // 512))
 
 
+def _tiles(arch: int, element_size: int, rows: int, d: int) -> tuple[int, int, int, int]:
+    """`(BLOCK_M, BLOCK_N, BLOCK_D, num_warps)` on `sm_<arch>` (0: the interpreter).
+
+    Checked per arch by `kernels.aot` (docs/design.md 3.7). fp32 at 64 rows x 64 keys
+    x 128 needs 180,736 B of shared memory, over every block limit but sm_90/100's:
+    32 x 32. bf16/fp16 at 64 x 64 need 245-255 registers a thread: sm_90/100 hold
+    them, sm_80 and sm_120 spill 8-40 B; 32 keys a step take ~180 there.
+    """
+    wide = element_size > 2
+    block_m = min(32 if wide else 64, next_pow2(rows, floor=16))
+    block_d = next_pow2(d, floor=16)
+    block_n = 64 if not wide and arch in (90, 100) else 32
+    # 4 warps spill at the largest tiles
+    warps = 8 if block_m * block_d * element_size >= 64 * 128 * 2 else 4
+    return block_m, block_n, block_d, warps
+
+
 def tree_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -211,13 +235,8 @@ def tree_attention_triton(
     if out is None:
         out = torch.empty_like(q)
     mask = tree_mask.view(torch.uint8) if tree_mask.dtype == torch.bool else tree_mask
-    # fp32 tiles at half the rows and keys: at 64 x 64 x 128 they need 180,736 B of
-    # shared memory, over every GPU's block limit but sm_90/100's (kernel_bench --compile-only)
-    wide = q.element_size() > 2
-    block_m = min(32 if wide else 64, next_pow2(group * n, floor=16))
-    block_d = next_pow2(d, floor=16)
-    block_n = 32 if wide else 64
     rows = group * n
+    block_m, block_n, block_d, warps = _tiles(target_arch(), q.element_size(), rows, d)
     grid = (cdiv(rows, block_m), b * h_kv)
     # a device prefix is unknown here: split the cache's capacity, empty ranges cost nothing
     keys = k_cache.shape[2] if isinstance(prefix_len, torch.Tensor) else prefix_len + n
@@ -238,7 +257,7 @@ def tree_attention_triton(
         PRECISION="ieee" if q.dtype == torch.float32 or interpreting() else "tf32",
         DOT_F32=interpreting(),
         PREFIX_IN_MEMORY=isinstance(prefix_len, torch.Tensor), SPLIT=splits > 1,
-        num_warps=8 if block_m * block_d * q.element_size() >= 64 * 128 * 2 else 4,  # 4 spill here
+        num_warps=warps,
     )  # fmt: skip
     if splits > 1:
         _combine_jit()[grid](

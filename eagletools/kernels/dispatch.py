@@ -41,6 +41,20 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def target_arch() -> int:
+    """The compute capability Triton compiles for now (86 = sm_86); 0 in the interpreter.
+
+    Triton's active driver answers: the current CUDA device, or under
+    `kernels.aot` the arch being compiled for, so tiles chosen from it are
+    the tiles that arch's compile check sees.
+    """
+    if interpreting():
+        return 0
+    from triton.runtime import driver
+
+    return driver.active.get_current_target().arch
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
