@@ -67,18 +67,26 @@ with aot.compiling_for(80):
         launch = dict(aot.launches(aot.SHAPES[2], dtype))["tree_attention"]
         (kernel, grid), = aot.compiled_launches(launch)
         problems[dtype] = aot.check(kernel, grid, "old tiles", 80, dtype).problems()
+# tl.arange(0, 96) does not compile: each launch is reported, the other kernels still build
+attention._tiles = lambda arch, element_size, rows, d: (64, 64, 96, 8)
+aot.SHAPES = aot.SHAPES[:1]
+problems["broken"] = {b.label: b.problems() for b in aot.compile_unit(80, "bf16")}
 print(json.dumps(problems))
 """
 
 
-@pytest.mark.slow
 def test_oversized_tiles_fail_the_check(tmp_path):
-    """A real compile: 64 x 64 fp32 tiles overflow sm_80's shared memory, bf16 ones spill."""
+    """Real compiles: 64 x 64 fp32 tiles overflow sm_80's shared memory, bf16 ones spill,
+    and a tile Triton rejects is reported for each launch it breaks."""
     run = compiling(["-c", "import json\n" + textwrap.dedent(OLD_TILES)], tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     problems = json.loads(run.stdout.splitlines()[-1])
     assert [p.split(" B >")[0] for p in problems["fp32"]] == ["shared memory 180,736"]
     assert len(problems["bf16"]) == 1 and problems["bf16"][0].endswith("B of register spills")
+    broken = {label: found for label, found in problems["broken"].items() if found}
+    assert {label.split()[0] for label in broken} == {"tree_attention"}
+    assert len(broken) == 4 and len(problems["broken"]) > 4, problems["broken"]
+    assert all(found[0].startswith("does not compile: ") for found in broken.values())
 
 
 def build(**changes) -> Build:
@@ -117,6 +125,11 @@ def test_a_build_within_the_limits_has_no_problem():
 def test_a_build_past_a_limit_names_it(changes, problem):
     problems = build(**changes).problems()
     assert len(problems) == 1 and problems[0].startswith(problem), problems
+
+
+def test_a_launch_that_does_not_compile_is_a_problem():
+    failed = Build("tree_attention Qwen3-8B", "tree_attention", 80, "fp16", error="bad dot")
+    assert failed.problems() == ["does not compile: bad dot"]
 
 
 def test_fp32_may_spill():

@@ -75,14 +75,17 @@ class Build:
     kernel: str
     arch: int
     dtype: str
-    grid: tuple[int, ...]
-    shared: int  # bytes of shared memory a block
-    registers: int  # a thread
-    stack: int  # bytes of local memory a thread: register spills (the kernels hold no arrays)
-    narrow: tuple[str, ...]  # TTIR values: 32-bit program-id x stride products
+    grid: tuple[int, ...] = ()
+    shared: int = 0  # bytes of shared memory a block
+    registers: int = 0  # a thread
+    stack: int = 0  # bytes of local memory a thread: register spills (the kernels hold no arrays)
+    narrow: tuple[str, ...] = ()  # TTIR values: 32-bit program-id x stride products
+    error: str = ""  # the compiler's, when it failed (`kernel` is then the wrapper)
 
     def problems(self) -> list[str]:
         """What would fail or run slowly on the GPU; fp32, the exact slow path, may spill."""
+        if self.error:
+            return [f"does not compile: {self.error}"]
         found = []
         if self.shared > SHARED_MEMORY[self.arch]:
             found.append(f"shared memory {self.shared:,} B > {SHARED_MEMORY[self.arch]:,} B")
@@ -279,10 +282,17 @@ def compile_unit(arch: int, dtype: str) -> list[Build]:
     with compiling_for(arch):
         for shape in SHAPES:
             for label, launch in launches(shape, dtype):
-                for kernel, grid in compiled_launches(launch):
+                label = f"{label} {shape.name}"
+                try:
+                    compiled = compiled_launches(launch)
+                except Exception as err:  # report every launch that fails, then fail
+                    error = str(err).strip().splitlines()[-1]
+                    builds.append(Build(label, label.split()[0], arch, dtype, error=error))
+                    continue
+                for kernel, grid in compiled:
                     if (id(kernel), tuple(grid)) not in seen:
                         seen.add((id(kernel), tuple(grid)))
-                        builds.append(check(kernel, grid, f"{label} {shape.name}", arch, dtype))
+                        builds.append(check(kernel, grid, label, arch, dtype))
     return builds
 
 
