@@ -315,7 +315,7 @@ def summary(builds: list[Build]) -> list[str]:
         rows.setdefault((build.kernel, build.arch), []).append(build)
     lines = [
         f"{'kernel':24} {'arch':>6} {'builds':>6} {'shared B':>9} {'regs':>5}"
-        f" {'spill B bf16/fp16':>17} {'spill B fp32':>12}"
+        f" {'spill B':>8} {'spill B fp32':>12}"
     ]
     for (kernel, arch), group in sorted(rows.items()):
         half = max((b.stack for b in group if b.dtype != "fp32"), default=0)
@@ -323,7 +323,7 @@ def summary(builds: list[Build]) -> list[str]:
         lines.append(
             f"{kernel:24} {'sm_' + str(arch):>6} {len(group):>6} "
             f"{max(b.shared for b in group):>9,} {max(b.registers for b in group):>5} "
-            f"{half:>17} {wide:>12}"
+            f"{half:>8} {wide:>12}"
         )
     return lines
 
