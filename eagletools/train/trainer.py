@@ -338,6 +338,7 @@ class Trainer:
         # after prepare: FSDP2 swaps every parameter for a new one, and clipping the old
         # objects would see no gradients (docs/design.md, GPU scale)
         self.params = [p for p in self._unwrapped().draft.parameters() if p.requires_grad]
+        self._unwrapped().register_fsdp_methods()
         if t.compile:  # one graph over all sequence lengths (held-out evaluation stays eager)
             if self.device.type == "cpu":
                 require_cpu_compiler("training.compile")
