@@ -104,7 +104,7 @@ def tiny_settings() -> Settings:
     small = dict(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=512)
     shapes = {k: replace(s, **small) for k, s in REAL.items()}
     shapes["llama3.1-70b"] = replace(shapes["llama3.1-70b"], hidden=128, intermediate=256)
-    return Settings(shapes, "tiny", seq_len=256, prompt_len=512, draft_vocab=128)
+    return Settings(shapes, "tiny", seq_len=256, prompt_len=512, draft_vocab=128, train_steps=1)
 
 
 # -- analytical estimates (docs/walkthrough.md, "Memory per stage") ---------------------

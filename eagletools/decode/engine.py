@@ -435,8 +435,8 @@ class SpeculativeDecoder(BaselineDecoder):
 
     def _refresh(self, aux: torch.Tensor, tokens: torch.Tensor, start: int | torch.Tensor):
         """Draft entries `start..` from the target's aux [n, A*H] and the next tokens [n]:
-        (draft logits [n, Vd], hidden [n, H]). Causal, so rows padded after the real
-        ones change nothing before them."""
+        the last token's (draft logits [1, Vd], hidden [1, H]). Causal, so rows padded
+        after the real ones change nothing before them."""
         n = tokens.shape[0]
         hidden = self.draft.fuse_aux(aux)[None]
         slots = start + torch.arange(n, device=tokens.device)
@@ -446,7 +446,9 @@ class SpeculativeDecoder(BaselineDecoder):
             mask = None
         else:
             mask = extend_mask(start, n, device=tokens.device)
-        logits, h = self.draft.decode(hidden, tokens[None], slots, self.cache, slots, mask)
+        logits, h = self.draft.decode(
+            hidden, tokens[None], slots, self.cache, slots, mask, last_only=True
+        )
         return logits[0], h[0]
 
     def _draft_step(self, base: int, j: int, tokens, hidden, rows):
