@@ -11,7 +11,7 @@ launch) is its own; the estimate beside it is `base` (the RSS of importing what
 the stages import, measured) plus the stage's formula, read from docs/walkthrough.md
 ("Memory per stage") and evaluated as written there, and a stage past twice its
 estimate fails the check. Settings (`Settings`): bf16 target, bf16 autocast over an fp32
-draft, draft vocabulary 16,000, 2 TTT steps, 2 optimizer steps of one sequence a rank,
+draft, draft vocabulary 16,000, draft MLP 4,096 wide, 2 TTT steps, 2 optimizer steps of one sequence a rank,
 one thread a rank.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/scale_check.py --out runs/scale
@@ -93,6 +93,9 @@ class Settings:
     seq_len: int = 4096  # training and cache sequence length
     prompt_len: int = 16384  # eval prompt tokens (the byte tokenizer: one per character)
     draft_vocab: int = 16000  # the recipes' 32,000 puts two ranks past 24 GB (the estimate)
+    # the trained draft's MLP (draft.intermediate_size; default the target's): at 14,336
+    # rank 0 gathers 12 Pd = 4.3 GB more for the final checkpoint, and the two ranks OOM
+    draft_mlp: int | None = 4096
     ttt_steps: int = 2
     train_steps: int = 2
     processes: int = 2
@@ -104,7 +107,8 @@ def tiny_settings() -> Settings:
     small = dict(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=512)
     shapes = {k: replace(s, **small) for k, s in REAL.items()}
     shapes["llama3.1-70b"] = replace(shapes["llama3.1-70b"], hidden=128, intermediate=256)
-    return Settings(shapes, "tiny", seq_len=256, prompt_len=512, draft_vocab=128, train_steps=1)
+    return Settings(shapes, "tiny", seq_len=256, prompt_len=512, draft_vocab=128,
+                    draft_mlp=None, train_steps=1)  # fmt: skip
 
 
 # -- analytical estimates (docs/walkthrough.md, "Memory per stage") ---------------------
@@ -115,14 +119,14 @@ def target_params(shape: Shape) -> int:
     return _count(lambda: _meta_target(shape))
 
 
-def draft_params(shape: Shape, draft_vocab: int) -> tuple[int, int]:
+def draft_params(shape: Shape, draft_vocab: int, mlp: int | None) -> tuple[int, int]:
     """(trained parameters, frozen embedding) of the draft for `shape`."""
     import torch
 
     from eagletools.draft import Eagle3Draft
 
     with torch.device("meta"):
-        draft = Eagle3Draft(draft_config(shape, draft_vocab))
+        draft = Eagle3Draft(draft_config(shape, draft_vocab, mlp))
     embed = draft.embed_tokens.weight.numel()
     return sum(p.numel() for p in draft.parameters()) - embed, embed
 
@@ -136,24 +140,25 @@ def formulas() -> dict[str, str]:
     return found
 
 
-def estimates(shape: Shape, s: Settings) -> dict[str, float]:
+def estimates(shape: Shape, s: Settings, draft_mlp: int | None = None) -> dict[str, float]:
     """Each stage's peak bytes per process above the import base, and the cache's bytes
     per token, from the walkthrough's formulas and the sizes of `shape` and `s`."""
-    pd, embed = draft_params(shape, s.draft_vocab)
+    pd, embed = draft_params(shape, s.draft_vocab, draft_mlp)
     sizes = dict(
         Pt=target_params(shape), Pd=pd, E=embed, W=s.processes, T=s.seq_len, Vd=s.draft_vocab,
         K=s.ttt_steps, A=AUX, Ht=shape.hidden, I=shape.intermediate, N=CACHE_BATCH_TOKENS,
         L=shape.layers, Hkv=shape.kv_heads, D=shape.head_dim, Tp=s.prompt_len,
         S=s.prompt_len + s.new_tokens,
     )  # fmt: skip
-    return {name: eval(expr, {"__builtins__": {}}, sizes) for name, expr in formulas().items()}
+    names = {"__builtins__": {}, "max": max}
+    return {name: eval(expr, names, sizes) for name, expr in formulas().items()}
 
 
-def draft_config(shape: Shape, draft_vocab: int):
+def draft_config(shape: Shape, draft_vocab: int, mlp: int | None = None):
     from eagletools.draft import DraftConfig
 
     return DraftConfig(
-        hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+        hidden_size=shape.hidden, intermediate_size=mlp or shape.intermediate,
         num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
         head_dim=shape.head_dim, vocab_size=shape.vocab, draft_vocab_size=draft_vocab,
         target_hidden_size=shape.hidden, aux_layer_ids=aux_ids(shape),
@@ -328,6 +333,7 @@ def train_command(s: Settings, root: Path, work: Path) -> list[str]:
         f"vocab.draft_vocab_size={s.draft_vocab}", f"training.ttt_steps={s.ttt_steps}",
         "training.batch_size=1", f"training.max_steps={s.train_steps}", "training.precision=bf16",
         "training.eval_every=0", "training.save_every=0", "tracking.report_to=none",
+        f"draft.intermediate_size={s.draft_mlp or 'null'}",
     ]  # fmt: skip
     return [str(torchrun), "--nproc_per_node", str(s.processes), "--master_port",
             str(_free_port()), __file__, "--preset", s.preset, "--fsdp-worker", "train", *overrides,
@@ -336,7 +342,7 @@ def train_command(s: Settings, root: Path, work: Path) -> list[str]:
 
 def run_shape(shape: Shape, s: Settings, root: Path, base: float) -> list[Row]:
     """Every stage for one 8B-shaped target, in order (each needs the one before)."""
-    work, est = root / shape.name, estimates(shape, s)
+    work, est = root / shape.name, estimates(shape, s, s.draft_mlp)
     work.mkdir(parents=True, exist_ok=True)
     rows = []
 
