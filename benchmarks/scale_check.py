@@ -228,6 +228,7 @@ def build_big_target(shape: Shape, folder: Path, draft_vocab: int) -> None:
 
     from eagletools.draft import Eagle3Draft
     from eagletools.formats import Checkpoint, save_checkpoint
+    from eagletools.vocab import DraftVocab
 
     folder.mkdir(parents=True, exist_ok=True)
     config = shape.config()
@@ -239,19 +240,16 @@ def build_big_target(shape: Shape, folder: Path, draft_vocab: int) -> None:
     del embed
     with torch.device("meta"):
         draft = Eagle3Draft(draft_config(shape, draft_vocab))
-    draft = draft.to_empty(device="cpu").to(torch.bfloat16)
-    tensors = {}
-    for name, value in draft.state_dict().items():
-        if name in ("d2t", "t2d") or name == "embed_tokens.weight":
-            continue
-        tensors[name] = value.normal_(0, 0.02) if value.dim() > 1 else value.fill_(1.0)
-    vocab_ids = torch.arange(draft_vocab)
-    from eagletools.vocab import DraftVocab
-
-    vocab = DraftVocab.from_selected(vocab_ids, shape.vocab)
-    tensors |= {"d2t": vocab.d2t, "t2d": vocab.t2d}
-    ckpt = Checkpoint("eagle", draft.config, tensors, "scale_check")
-    save_checkpoint(ckpt, folder.parent / "big-draft", "eagle", overwrite=True)
+    weights = draft.to_empty(device="cpu").to(torch.bfloat16).state_dict()
+    tensors = {name: value.normal_(0, 0.02) if value.dim() > 1 else value.fill_(1.0)
+               for name, value in weights.items() if value.is_floating_point()
+               and name != "embed_tokens.weight"}  # fmt: skip
+    vocab = DraftVocab.from_selected(torch.arange(draft_vocab), shape.vocab)
+    out = folder.parent / "big-draft"
+    ckpt = Checkpoint(
+        "eagle", draft.config, tensors | {"d2t": vocab.d2t, "t2d": vocab.t2d}, str(out)
+    )
+    save_checkpoint(ckpt, out, "eagle", overwrite=True)
 
 
 def write_inputs(root: Path, s: Settings) -> None:
