@@ -432,11 +432,15 @@ def main() -> None:
                         choices=["llama3.1-8b", "qwen3-8b"])  # fmt: skip
     parser.add_argument("--no-big", action="store_true", help="skip the 70B convert/inspect")
     parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument("--draft-vocab", type=int, help="training's draft vocabulary (16,000)")
+    parser.add_argument("--ttt-steps", type=int, help="training's TTT steps (2)")
     parser.add_argument("--build", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--build-big", nargs=3, help=argparse.SUPPRESS)
     parser.add_argument("--fsdp-worker", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     args = parser.parse_args()
     s = tiny_settings() if args.preset == "tiny" else Settings(REAL)
+    s = replace(s, draft_vocab=args.draft_vocab or s.draft_vocab,
+                ttt_steps=args.ttt_steps or s.ttt_steps)  # fmt: skip
     if args.fsdp_worker:
         return fsdp_worker(args.fsdp_worker)
     if args.build:
