@@ -434,7 +434,11 @@ class SpeculativeDecoder(BaselineDecoder):
         return self.model(tokens, positions, start, mask, self.aux_ids)
 
     def _refresh(
-        self, aux: torch.Tensor, tokens: torch.Tensor, start: int | torch.Tensor, last_only=False
+        self,
+        aux: torch.Tensor,
+        tokens: torch.Tensor,
+        start: int | torch.Tensor,
+        last_only: bool = False,
     ):
         """Draft entries `start..` from the target's aux [n, A*H] and the next tokens [n]:
         (draft logits [n, Vd], hidden [n, H]), or the last row's alone with `last_only`
