@@ -10,9 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # 45 s on 2 cores: ten child processes, each importing torch
 def test_scale_check_runs_every_stage_at_tiny_widths(tmp_path):
     rows = tmp_path / "rows.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "scale_check.py"), "--preset", "tiny",
