@@ -67,6 +67,20 @@ def fsdp_on_cpu() -> None:
     AcceleratorState.__init__ = with_fsdp
 
 
+def fsdp_launch_env(**fsdp_config: object) -> dict[str, str]:
+    """The variables `accelerate launch --config_file recipes/accelerate-fsdp.yaml` exports
+    (its fsdp_config keys as FSDP_* next to ACCELERATE_USE_FSDP), `fsdp_config` replacing
+    keys of the file, e.g. a `fsdp_min_num_params` small enough to wrap a tiny draft's layers."""
+    from pathlib import Path
+
+    import yaml
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "accelerate-fsdp.yaml"
+    config = yaml.safe_load(recipe.read_text())["fsdp_config"] | fsdp_config
+    env = {k.upper(): str(v).lower() if isinstance(v, bool) else str(v) for k, v in config.items()}
+    return {"ACCELERATE_USE_FSDP": "true", **env}
+
+
 def leave_fsdp_group(group: bool = True) -> None:
     """End a two-process FSDP2 script once every check has passed.
 

@@ -173,3 +173,18 @@ def test_llama31_rope_matches_hf_in_both_transformers_spellings():
         runtime.setup_caches(1, 16)
         logits, _ = runtime(ids, positions, 0)
         assert (logits - ref).abs().max() <= 1e-4
+
+
+def test_runtime_shares_the_weights_it_does_not_fuse_with_the_hf_model():
+    """Eval keeps the HF model beside the runtime: the embedding, head and o/down
+    projections are shared, not copied (2.4 GB of a 2-layer 8B-wide target)."""
+    from conftest import tiny_model
+
+    hf = tiny_model("llama", dtype=torch.bfloat16)
+    runtime = Transformer.from_hf(hf, torch.bfloat16)
+    layer, block = hf.model.layers[0], runtime.layers[0]
+    for ours, theirs in ((runtime.tok_embeddings, hf.model.embed_tokens),
+                         (runtime.output, hf.lm_head), (block.attention.wo, layer.self_attn.o_proj),
+                         (block.feed_forward.w2, layer.mlp.down_proj)):  # fmt: skip
+        assert ours.weight.data_ptr() == theirs.weight.data_ptr()
+    assert Transformer.from_hf(hf, torch.float32).output.weight.dtype == torch.float32  # a copy

@@ -229,3 +229,21 @@ def test_tree_shape_limits():
         check_tree_shape(4, 3, 38)
     with pytest.raises(UserError, match="--topk"):
         check_tree_shape(0, 3, 4)
+
+
+def test_a_prompt_pass_runs_the_layer_past_attention_for_its_last_token_alone():
+    """The prompt's draft pass writes every token's K/V but needs the outputs of its last
+    token only: `last_only` gives those, equal to the full pass's last row, and the same
+    cache, without the [n, Vd] logits and [n, I] MLP products of a long prompt."""
+    torch.manual_seed(0)
+    draft = Eagle3Draft(tiny_draft_config(intermediate_size=96)).eval()
+    n = 100  # past 64: the maskless causal path a prompt takes
+    hidden, ids = torch.randn(1, n, draft.config.hidden_size), torch.randint(0, 256, (1, n))
+    slots = torch.arange(n)
+    caches = [DraftKVCache.allocate(draft.config, 1, 128, torch.float32, "cpu") for _ in "ab"]
+    full = draft.decode(hidden, ids, slots, caches[0], slots, None)
+    last = draft.decode(hidden, ids, slots, caches[1], slots, None, last_only=True)
+    for whole, one in zip(full, last, strict=True):
+        assert one.shape[1] == 1
+        torch.testing.assert_close(one, whole[:, -1:])
+    assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -614,3 +615,17 @@ def test_regeneration_identity_follows_the_chat_template(tmp_path):
         )
     identities.append(trainer_mod._regeneration_identity(tiny_config()))
     assert len({json.dumps(i, sort_keys=True) for i in identities}) == 3
+
+
+def test_frozen_embedding_keeps_the_targets_dtype(tmp_path):
+    """The draft's frozen embedding stays in a bf16 target's dtype: an fp32 copy holds the
+    same values in twice the bytes (1 GB a process at 8B widths, benchmarks/scale_check.py)."""
+    target = tiny_target()
+    target.model.to(torch.bfloat16)
+    config = tiny_config("training.precision=bf16", "training.max_steps=1")
+    trainer = Trainer(config, tmp_path, online_inputs(config, target, random_dataset()))
+    embed = trainer.draft.embed_tokens.weight
+    assert embed.dtype == torch.bfloat16 and not embed.requires_grad
+    assert torch.equal(embed, target.model.get_input_embeddings().weight)
+    assert all(p.dtype == torch.float32 for p in trainer.draft.parameters() if p.requires_grad)
+    assert math.isfinite(trainer.train_step()["loss"])

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from gloo_helpers import free_port
+from gloo_helpers import free_port, fsdp_launch_env
 
 SCRIPT = textwrap.dedent(
     """
@@ -155,7 +155,9 @@ STEP_SCRIPT = textwrap.dedent(
 @pytest.mark.slow
 def test_fsdp2_trainer_clips_the_sharded_gradients(tmp_path):
     """FSDP2 swaps every parameter inside accelerate's `prepare`: the trainer must clip the
-    new ones, or clipping sees no gradient, logs a grad_norm of 0 and clips nothing."""
+    new ones, or clipping sees no gradient, logs a grad_norm of 0 and clips nothing. Under
+    the recipe's auto-wrap policy, `register_fsdp_methods` lets the wrapped layers' methods
+    gather their shards (without it: "mixed torch.Tensor and DTensor")."""
     script, clip = tmp_path / "step.py", 1e-3
     script.write_text(STEP_SCRIPT.format(tests=str(Path(__file__).parent)))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -166,7 +168,9 @@ def test_fsdp2_trainer_clips_the_sharded_gradients(tmp_path):
     torchrun = Path(sys.executable).parent / "torchrun"
     cmd = [str(torchrun), "--nproc_per_node", "2", "--master_port", str(free_port()),
            str(script), str(tmp_path / "two"), "2", str(clip)]  # fmt: skip
-    fsdp = {**env, "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}
+    # the recipe's size-based wrapping, at a size that wraps the tiny draft's layers too: the
+    # unroll calls their methods, which must gather the shards as `forward` does
+    fsdp = {**env, **fsdp_launch_env(fsdp_min_num_params=1000)}
     two = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=fsdp)
     assert two.returncode == 0, two.stdout[-2000:] + two.stderr[-3000:]
     a, b = (json.loads((tmp_path / run / "step.json").read_text()) for run in ("one", "two"))

@@ -433,10 +433,16 @@ class SpeculativeDecoder(BaselineDecoder):
         """The target over the tree: (logits [1,N,V], aux [1,N,A*H])."""
         return self.model(tokens, positions, start, mask, self.aux_ids)
 
-    def _refresh(self, aux: torch.Tensor, tokens: torch.Tensor, start: int | torch.Tensor):
+    def _refresh(
+        self,
+        aux: torch.Tensor,
+        tokens: torch.Tensor,
+        start: int | torch.Tensor,
+        last_only: bool = False,
+    ):
         """Draft entries `start..` from the target's aux [n, A*H] and the next tokens [n]:
-        (draft logits [n, Vd], hidden [n, H]). Causal, so rows padded after the real
-        ones change nothing before them."""
+        (draft logits [n, Vd], hidden [n, H]), or the last row's alone with `last_only`
+        (a prompt). Causal, so rows padded after the real ones change nothing before them."""
         n = tokens.shape[0]
         hidden = self.draft.fuse_aux(aux)[None]
         slots = start + torch.arange(n, device=tokens.device)
@@ -446,7 +452,9 @@ class SpeculativeDecoder(BaselineDecoder):
             mask = None
         else:
             mask = extend_mask(start, n, device=tokens.device)
-        logits, h = self.draft.decode(hidden, tokens[None], slots, self.cache, slots, mask)
+        logits, h = self.draft.decode(
+            hidden, tokens[None], slots, self.cache, slots, mask, last_only=last_only
+        )
         return logits[0], h[0]
 
     def _draft_step(self, base: int, j: int, tokens, hidden, rows):
@@ -463,7 +471,7 @@ class SpeculativeDecoder(BaselineDecoder):
     def _decode(self, root, aux, reuse, stop, accepted, sampling, generator) -> None:
         model = self.model
         tokens = torch.tensor(self.seq[reuse + 1 :], device=model.device)
-        d_logits, d_hidden = self._refresh(aux[0], tokens, reuse)
+        d_logits, d_hidden = self._refresh(aux[0], tokens, reuse, last_only=True)
         d_logits, d_hidden = d_logits[-1], d_hidden[-1]
         self.draft_len = reuse + len(tokens)
         while True:

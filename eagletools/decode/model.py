@@ -331,15 +331,22 @@ class Transformer(nn.Module):
     @classmethod
     @torch.no_grad()
     def from_hf(cls, model: nn.Module, dtype: torch.dtype | None = None) -> Transformer:
-        """Copy (and fuse) the weights of a loaded HF `*ForCausalLM`."""
+        """The weights of a loaded HF `*ForCausalLM`: q/k/v and gate/up fused (copies), the
+        rest shared with it where the dtype is the same. Eval keeps the HF model (the draft's
+        embedding, `--hf-baseline`), and copies of the embedding, head and o/down projections
+        were 2.4 GB of a 3 GB 2-layer 8B-wide target (benchmarks/scale_check.py)."""
         args = ModelArgs.from_hf_config(model.config)
         dtype = dtype or model.dtype
         device = model.device
         with meta_device():
             self = cls(args)
-        self.to_empty(device=device)
-        self.tok_embeddings.weight.copy_(anatomy.embed_tokens(model).weight)
-        self.output.weight.copy_(anatomy.lm_head(model).weight)
+        self.to_empty(device=device)  # untouched pages: the shared ones below cost nothing
+
+        def share(module: nn.Module, source: nn.Parameter | torch.Tensor) -> None:
+            module.weight = nn.Parameter(source.detach().to(dtype), requires_grad=False)
+
+        share(self.tok_embeddings, anatomy.embed_tokens(model).weight)
+        share(self.output, anatomy.lm_head(model).weight)
         self.norm.weight.copy_(anatomy.final_norm(model).weight)
         for block, layer in zip(self.layers, anatomy.decoder_layers(model), strict=True):
             a, m = layer.self_attn, layer.mlp
@@ -349,12 +356,12 @@ class Transformer(nn.Module):
             block.attention.wqkv.weight.copy_(torch.cat([p.weight for p in projs]))
             if args.qkv_bias:
                 block.attention.wqkv.bias.copy_(torch.cat([p.bias for p in projs]))
-            block.attention.wo.weight.copy_(a.o_proj.weight)
+            share(block.attention.wo, a.o_proj.weight)
             if args.qk_norm:
                 block.attention.q_norm.weight.copy_(a.q_norm.weight)
                 block.attention.k_norm.weight.copy_(a.k_norm.weight)
             block.feed_forward.w13.weight.copy_(torch.cat([m.gate_proj.weight, m.up_proj.weight]))
-            block.feed_forward.w2.weight.copy_(m.down_proj.weight)
+            share(block.feed_forward.w2, m.down_proj.weight)
             block.attention_norm.weight.copy_(layer.input_layernorm.weight)
             block.ffn_norm.weight.copy_(layer.post_attention_layernorm.weight)
         self = self.to(dtype).eval()

@@ -331,6 +331,7 @@ class Eagle3Draft(nn.Module):
         cache: DraftKVCache,
         slots: torch.Tensor,
         mask: torch.Tensor | None,
+        last_only: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft forward over n new tokens for decoding.
 
@@ -343,7 +344,10 @@ class Eagle3Draft(nn.Module):
         draft's dtype. Returns (draft logits [B,n,Vd], the hidden the next step
         takes [B,n,H]). The layer of `midlayer.qkv` and `finish`, through
         `decode_weights()`; with a mask its shapes depend on n and L only, and
-        nothing is read back from the device.
+        nothing is read back from the device. `last_only` (a prompt's pass): every
+        token's K/V is written, but attention, MLP and head run for the last token
+        alone, the only one whose outputs a tree grows from (a 16k prompt's
+        [n, Vd] logits and [n, I] MLP products are 0.5-1.4 GB at 8B widths).
         """
         fused = self.decode_weights()
         layer = self.midlayer
@@ -363,6 +367,9 @@ class Eagle3Draft(nn.Module):
         q, k = qk.transpose(1, 2).split([nh, nkv], dim=1)
         cache.k.index_copy_(2, slots, k)
         cache.v.index_copy_(2, slots, v.view(b, n, nkv, hd).transpose(1, 2))
+        if last_only:
+            q, hidden, normed, n = q[:, :, -1:], hidden[:, -1:], normed[:, -1:], 1
+            mask = None if mask is None else mask[..., -1:, :]
         if mask is None:  # a long causal run (a prompt): fused kernels, no mask
             length = int(slots[-1]) + 1
             out = causal_attention(q, cache.k[:, :, :length], cache.v[:, :, :length])

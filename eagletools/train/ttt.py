@@ -219,6 +219,17 @@ class TTTModel(nn.Module):
         self.draft, self.steps, self.decay, self.chunk = draft, steps, decay, chunk
         self.drop_missed, self.train_oov = drop_missed, train_oov
 
+    def register_fsdp_methods(self) -> None:
+        """FSDP2 gathers a sharded module's weights around its `forward` only, but the unroll
+        calls the draft's and its layer's other methods; under an auto-wrap policy (the
+        recipes' accelerate-fsdp.yaml) those would see shards. No-op without FSDP2."""
+        from torch.distributed.fsdp import register_fsdp_forward_method
+
+        for module, names in ((self.draft, ("fuse_aux", "head")),
+                              (self.draft.midlayer, ("qkv", "finish"))):  # fmt: skip
+            for name in names:
+                register_fsdp_forward_method(module, name)
+
     def forward(
         self,
         input_ids: torch.Tensor,
