@@ -219,3 +219,29 @@ def test_embeddings_come_from_the_target_file_alone(case, tmp_path, monkeypatch)
     assert main([*args, "--target", str(case / "target")]) == 0
     embed = next(t for t in gguf.GGUFReader(out).tensors if t.name == "token_embd.weight")
     assert [int(n) for n in embed.shape] == [64, VOCAB]
+
+
+# sha256 of the whole file as the writer produced it before GGUF joined the format registry;
+# any change to these bytes must be deliberate (llama.cpp reads them)
+WRITTEN_SHA256 = {
+    "eagle": "07f202c194761f22467e09993612bdd165369ea27a48c98d892c9b97707863d6",
+    "speculators": "3db5187242f1bf281f3173ccdd9b3a360291e1fd30ad58c96659c621f9a4970a",
+    "fp32-as-bf16-with-embeddings": "29ba0dfd9de46f513f6e3179443981c45f894b1badb536fa22065ce6cc030f0f",
+}
+
+
+def written(case: Path, name: str) -> Path:
+    if name in AUX_IDS:
+        return ours(case, name)
+    src, out = case / "fp32", case / f"ours-{name}.gguf"
+    if not src.exists():  # fp32 norms must stay exactly F32 under --dtype bf16
+        save_checkpoint(make_ckpt(vocab_size=VOCAB, aux_layer_ids=[1, 3, 5]), src, "eagle")
+    args = ["convert", str(src), str(out), "--to", "gguf", "--dtype", "bf16", "--with-embeddings"]
+    assert main([*args, "--target", str(case / "target")]) == 0
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(WRITTEN_SHA256))
+def test_written_bytes_are_pinned(case, name):
+    data = written(case, name).read_bytes()
+    assert hashlib.sha256(data).hexdigest() == WRITTEN_SHA256[name]
