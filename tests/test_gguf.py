@@ -23,7 +23,8 @@ from conftest import tiny_model
 from test_formats import make_ckpt
 
 from eagletools.cli import main
-from eagletools.formats import save_checkpoint
+from eagletools.errors import UserError
+from eagletools.formats import detect_format, save_checkpoint, sniff_format
 
 gguf = pytest.importorskip("gguf")
 
@@ -245,3 +246,25 @@ def written(case: Path, name: str) -> Path:
 def test_written_bytes_are_pinned(case, name):
     data = written(case, name).read_bytes()
     assert hashlib.sha256(data).hexdigest() == WRITTEN_SHA256[name]
+
+
+def test_detected_by_content_not_suffix(case, tmp_path):
+    """`sniff_format` reads the GGUF magic: any name is a GGUF draft, a `.gguf` name alone is not."""
+    renamed = tmp_path / "draft.bin"
+    renamed.write_bytes(ours(case, "eagle").read_bytes())
+    (tmp_path / "fake.gguf").write_text("not a gguf")
+    assert sniff_format(renamed) == "gguf"
+    assert sniff_format(tmp_path / "fake.gguf") is None
+    assert sniff_format(case / "eagle") == "eagle"
+    with pytest.raises(UserError, match="a file, and not a GGUF draft; give the checkpoint folder"):
+        detect_format(tmp_path / "fake.gguf")
+
+
+def test_reading_a_gguf_draft_names_the_file_and_the_fix(case, capsys):
+    """GGUF is write-only: convert and inspect refuse it and point at the source folder."""
+    path = ours(case, "eagle")
+    assert main(["convert", str(path), str(case / "back"), "--to", "eagle"]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}: a gguf draft, which eagletools writes but does not read" in err
+    assert "give the checkpoint it was converted from" in err
+    assert not (case / "back").exists()
