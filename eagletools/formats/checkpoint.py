@@ -96,7 +96,7 @@ def load_checkpoint(path: str | Path, allow_pickle: bool = False) -> Checkpoint:
     fmt = detect_format(path)
     read = FORMATS[fmt].read
     if read is None:
-        readable = ", ".join(name for name, module in FORMATS.items() if module.read)
+        readable = "/".join(name for name, module in FORMATS.items() if module.read)
         raise UserError(
             f"{path}: a {fmt} draft, which eagletools writes but does not read; give the "
             f"checkpoint it was converted from (a {readable} folder)"
