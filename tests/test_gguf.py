@@ -23,7 +23,8 @@ from conftest import tiny_model
 from test_formats import make_ckpt
 
 from eagletools.cli import main
-from eagletools.formats import save_checkpoint
+from eagletools.errors import UserError
+from eagletools.formats import detect_format, save_checkpoint, sniff_format
 
 gguf = pytest.importorskip("gguf")
 
@@ -219,3 +220,51 @@ def test_embeddings_come_from_the_target_file_alone(case, tmp_path, monkeypatch)
     assert main([*args, "--target", str(case / "target")]) == 0
     embed = next(t for t in gguf.GGUFReader(out).tensors if t.name == "token_embd.weight")
     assert [int(n) for n in embed.shape] == [64, VOCAB]
+
+
+# sha256 of the whole file as the writer produced it before GGUF joined the format registry;
+# any change to these bytes must be deliberate (llama.cpp reads them)
+WRITTEN_SHA256 = {
+    "eagle": "07f202c194761f22467e09993612bdd165369ea27a48c98d892c9b97707863d6",
+    "speculators": "3db5187242f1bf281f3173ccdd9b3a360291e1fd30ad58c96659c621f9a4970a",
+    "fp32-as-bf16-with-embeddings": "29ba0dfd9de46f513f6e3179443981c45f894b1badb536fa22065ce6cc030f0f",
+}
+
+
+def written(case: Path, name: str) -> Path:
+    if name in AUX_IDS:
+        return ours(case, name)
+    src, out = case / "fp32", case / f"ours-{name}.gguf"
+    if not src.exists():  # fp32 norms must stay exactly F32 under --dtype bf16
+        save_checkpoint(make_ckpt(vocab_size=VOCAB, aux_layer_ids=[1, 3, 5]), src, "eagle")
+    args = ["convert", str(src), str(out), "--to", "gguf", "--dtype", "bf16", "--with-embeddings"]
+    assert main([*args, "--target", str(case / "target")]) == 0
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(WRITTEN_SHA256))
+def test_written_bytes_are_pinned(case, name):
+    data = written(case, name).read_bytes()
+    assert hashlib.sha256(data).hexdigest() == WRITTEN_SHA256[name]
+
+
+def test_detected_by_content_not_suffix(case, tmp_path):
+    """`sniff_format` reads the GGUF magic: any name is a GGUF draft, a `.gguf` name alone is not."""
+    renamed = tmp_path / "draft.bin"
+    renamed.write_bytes(ours(case, "eagle").read_bytes())
+    (tmp_path / "fake.gguf").write_text("not a gguf")
+    assert sniff_format(renamed) == "gguf"
+    assert sniff_format(tmp_path / "fake.gguf") is None
+    assert sniff_format(case / "eagle") == "eagle"
+    with pytest.raises(UserError, match="a file, and not a GGUF draft; give the checkpoint folder"):
+        detect_format(tmp_path / "fake.gguf")
+
+
+def test_reading_a_gguf_draft_names_the_file_and_the_fix(case, capsys):
+    """GGUF is write-only: convert and inspect refuse it and point at the source folder."""
+    path = ours(case, "eagle")
+    assert main(["convert", str(path), str(case / "back"), "--to", "eagle"]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}: a gguf draft, which eagletools writes but does not read" in err
+    assert "give the checkpoint it was converted from" in err
+    assert not (case / "back").exists()

@@ -7,10 +7,10 @@ import argparse
 from eagletools.commands import add_command
 from eagletools.dtypes import dtype_arg
 
-WRITABLE = ("eagle", "speculators", "training", "gguf")
-
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    from eagletools.formats import FORMATS
+
     p = add_command(
         subparsers, "convert",
         "Convert an EAGLE-3 draft checkpoint between eagle (SGLang, SpecForge, TensorRT-LLM), "
@@ -21,7 +21,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     p.add_argument("src", help="checkpoint folder (format detected)")
     p.add_argument("out", help="output folder, or .gguf file for --to gguf (written atomically)")
-    p.add_argument("--to", required=True, choices=WRITABLE, help="output format")
+    p.add_argument("--to", required=True, choices=sorted(FORMATS), help="output format")
     p.add_argument(
         "--dtype", type=dtype_arg, help="cast weights: bf16, fp16 or fp32 (default: keep)"
     )

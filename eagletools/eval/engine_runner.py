@@ -50,12 +50,12 @@ def engine_inputs(s: Settings, engine: Engine) -> tuple[Path, str, str | None]:
 
 
 def _engine_draft(draft: str, engine: Engine, target: str) -> str:
-    from eagletools.formats import detect_format
+    from eagletools.formats import detect_format, sniff_format
 
     path = Path(draft)
     if "gguf" in engine.draft_formats:
         found = sorted(path.glob("*.gguf")) if path.is_dir() else [path]
-        if len(found) == 1 and _is_gguf(found[0]):
+        if len(found) == 1 and sniff_format(found[0]) == "gguf":
             return str(found[0].resolve())
         fmt = "a folder with " + ("several .gguf files" if found else "no .gguf file")
         fmt = fmt if path.is_dir() else "not a GGUF file"
@@ -69,11 +69,6 @@ def _engine_draft(draft: str, engine: Engine, target: str) -> str:
         f"{fmt}; convert it: eagletools convert {draft} {path.with_name(path.name + '-' + wanted)} "
         f"--to {wanted} --target {target}"
     )
-
-
-def _is_gguf(path: Path) -> bool:
-    with open(path, "rb") as f:
-        return f.read(4) == b"GGUF"
 
 
 def _max_len(target: Path | str) -> int:

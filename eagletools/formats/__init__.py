@@ -1,7 +1,9 @@
 """Checkpoint formats: one reader/writer per ecosystem, detection, validation.
 
-`load_checkpoint` reads any of them into a `Checkpoint` (a `DraftConfig` and
-tensors under the `eagle` key names); `save_checkpoint` writes one in any.
+`load_checkpoint` reads any readable one into a `Checkpoint` (a `DraftConfig`
+and tensors under the `eagle` key names); `save_checkpoint` writes one in any,
+`gguf` (llama.cpp) included, which is write-only. `sniff_format` tells which
+format a folder or file holds, by content.
 """
 
 from eagletools.formats.checkpoint import (
@@ -13,6 +15,7 @@ from eagletools.formats.checkpoint import (
     load_draft,
     parse_dtype,
     save_checkpoint,
+    sniff_format,
 )
 from eagletools.formats.validate import Problem
 
@@ -26,4 +29,5 @@ __all__ = [
     "load_draft",
     "parse_dtype",
     "save_checkpoint",
+    "sniff_format",
 ]

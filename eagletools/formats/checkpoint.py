@@ -3,6 +3,7 @@
 In memory a checkpoint is a `DraftConfig` plus tensors under the `eagle` key
 names, `d2t`/`t2d` always present (rebuilt when a file omits them). Every
 reader's output goes through `check_tensors` before anything uses or writes it.
+`FORMATS` holds every format (`formats.registry.Format`), `gguf` write-only.
 """
 
 from __future__ import annotations
@@ -11,23 +12,27 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from eagletools.atomic import atomic_dir
+from eagletools.atomic import atomic_dir, atomic_file
 from eagletools.draft import DraftConfig, Eagle3Draft
 from eagletools.dtypes import parse_dtype
 from eagletools.errors import UserError
-from eagletools.formats import eagle, hfconfig, speculators, training
+from eagletools.formats import eagle, gguf, hfconfig, speculators, training
+from eagletools.formats.registry import Format, WriteOptions
 from eagletools.formats.tensors import DEFAULT_MAX_SHARD_BYTES
 from eagletools.formats.validate import check_tensors, target_problems
 from eagletools.target import default_aux_layer_ids, normalize_rope_scaling
 from eagletools.vocab import DraftVocab
 
+if TYPE_CHECKING:
+    from eagletools.target.summary import TargetSummary
+
 log = logging.getLogger(__name__)
 
-FORMATS = {m.NAME: m for m in (training, speculators, eagle)}  # detection order
+FORMATS: dict[str, Format] = {m.NAME: m for m in (training, speculators, eagle, gguf)}  # order
 EMBED = "embed_tokens.weight"
 
 
@@ -43,24 +48,26 @@ class Checkpoint:
         return DraftVocab(self.tensors["d2t"], self.tensors["t2d"])
 
 
-def _folder(path: str | Path) -> Path:
-    folder = Path(path).expanduser()
-    if not folder.exists():
-        raise UserError(f"{folder}: no such checkpoint folder")
-    if not folder.is_dir():
-        raise UserError(
-            f"{folder}: a file; give the checkpoint folder (the one holding config.json), "
-            f"e.g. {folder.parent}"
-        )
-    return folder
+def sniff_format(path: str | Path) -> str | None:
+    """The registered format at `path` (a folder, or a file such as a GGUF draft), read
+    from its content (config fields, GGUF magic) rather than its name; None if none."""
+    path = Path(path).expanduser()
+    return next((name for name, module in FORMATS.items() if module.matches(path)), None)
 
 
 def detect_format(path: str | Path) -> str:
-    """The format name of the checkpoint folder at `path`."""
-    folder = _folder(path)
-    for name, module in FORMATS.items():
-        if module.matches(folder):
-            return name
+    """`sniff_format`, or a UserError saying what is at `path` and what was expected."""
+    folder = Path(path).expanduser()
+    if not folder.exists():
+        raise UserError(f"{folder}: no such checkpoint folder")
+    found = sniff_format(folder)
+    if found is not None:
+        return found
+    if not folder.is_dir():
+        raise UserError(
+            f"{folder}: a file, and not a GGUF draft; give the checkpoint folder (the one "
+            f"holding config.json), e.g. {folder.parent}"
+        )
     inside = sorted(
         str(p.parent)
         for pattern in ("*/config.json", "*/" + training.CONFIG, "*/*/" + training.CONFIG)
@@ -72,11 +79,11 @@ def detect_format(path: str | Path) -> str:
         )
     if (folder / "config.json").is_file():
         cfg = hfconfig.read_json(folder / "config.json")
-        found = f"architectures={cfg.get('architectures')}, model_type={cfg.get('model_type')!r}"
+        seen = f"architectures={cfg.get('architectures')}, model_type={cfg.get('model_type')!r}"
     else:
-        found = f"files {sorted(p.name for p in folder.iterdir())}"
+        seen = f"files {sorted(p.name for p in folder.iterdir())}"
     raise UserError(
-        f"{folder}: unknown checkpoint format ({found}); expected config.json with "
+        f"{folder}: unknown checkpoint format ({seen}); expected config.json with "
         f"'speculators_model_type' (speculators), config.json with architectures "
         f"[{eagle.ARCHITECTURE!r}] (eagle), or {training.CONFIG} (an eagletools training "
         "checkpoint)"
@@ -84,13 +91,20 @@ def detect_format(path: str | Path) -> str:
 
 
 def load_checkpoint(path: str | Path, allow_pickle: bool = False) -> Checkpoint:
-    """Read and check a draft checkpoint of any known format."""
-    folder = _folder(path)
-    fmt = detect_format(folder)
-    config, tensors = FORMATS[fmt].read(folder, allow_pickle)
-    vocab = check_tensors(config, tensors, str(folder))
+    """Read and check a draft checkpoint of any readable format."""
+    path = Path(path).expanduser()
+    fmt = detect_format(path)
+    read = FORMATS[fmt].read
+    if read is None:
+        readable = "/".join(name for name, module in FORMATS.items() if module.read)
+        raise UserError(
+            f"{path}: a {fmt} draft, which eagletools writes but does not read; give the "
+            f"checkpoint it was converted from (a {readable} folder)"
+        )
+    config, tensors = read(path, allow_pickle)
+    vocab = check_tensors(config, tensors, str(path))
     tensors["d2t"], tensors["t2d"] = vocab.d2t, vocab.t2d
-    return Checkpoint(fmt, config, tensors, str(folder))
+    return Checkpoint(fmt, config, tensors, str(path))
 
 
 def _verifier(name: str | dict | None) -> dict[str, Any] | None:
@@ -110,10 +124,15 @@ def save_checkpoint(
     dtype: str | torch.dtype | None = None,
     with_embeddings: bool = False,
     verifier: str | dict | None = None,
+    target: TargetSummary | None = None,
     overwrite: bool = False,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> Path:
-    """Check `ckpt`, then write it as `fmt` atomically; nothing is written on any error."""
+    """Check `ckpt`, then write it as `fmt` atomically; nothing is written on any error.
+
+    `target` is the target `ckpt` was fitted to, for formats that carry some of
+    it (gguf: its tokenizer).
+    """
     if fmt not in FORMATS:
         raise UserError(f"format {fmt!r}: choose one of {sorted(FORMATS)}")
     path = Path(path).expanduser()
@@ -127,13 +146,16 @@ def save_checkpoint(
         )
     if not with_embeddings and tensors.pop(EMBED, None) is not None:
         log.info("dropping %s (engines use the target's); keep them with --with-embeddings", EMBED)
-    if dtype is not None:
-        dt = parse_dtype(dtype)
-        tensors = {k: v.to(dt) if v.is_floating_point() else v for k, v in tensors.items()}
-    with atomic_dir(path, overwrite=overwrite) as tmp:
-        FORMATS[fmt].write(
-            ckpt.config, tensors, tmp, verifier=_verifier(verifier), max_shard_bytes=max_shard_bytes
-        )
+    options = WriteOptions(
+        dtype=parse_dtype(dtype) if dtype is not None else None,
+        verifier=_verifier(verifier),
+        target=target,
+        name=path.stem,
+        max_shard_bytes=max_shard_bytes,
+    )
+    module = FORMATS[fmt]
+    with atomic_file(path) if module.ONE_FILE else atomic_dir(path, overwrite=overwrite) as tmp:
+        module.write(ckpt.config, tensors, tmp, options)
     return path
 
 

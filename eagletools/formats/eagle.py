@@ -20,9 +20,11 @@ import torch
 from eagletools.draft import DraftConfig
 from eagletools.errors import UserError
 from eagletools.formats import hfconfig
-from eagletools.formats.tensors import DEFAULT_MAX_SHARD_BYTES, read_tensors, write_tensors
+from eagletools.formats.registry import WriteOptions
+from eagletools.formats.tensors import cast_floats, read_tensors, write_tensors
 
 NAME = "eagle"
+ONE_FILE = False
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 CONFIG = "config.json"
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # old releases saved RoPE tables; rebuilt on load
@@ -103,10 +105,9 @@ def write(
     config: DraftConfig,
     tensors: dict[str, torch.Tensor],
     folder: Path,
-    *,
-    verifier: dict[str, Any] | None = None,
-    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    options: WriteOptions,
 ) -> None:
     """Write into an existing (temporary) folder. The eagle layout has no verifier field."""
+    tensors = cast_floats(tensors, options.dtype)
     hfconfig.write_json(folder / CONFIG, config_dict(config, hfconfig.dtype_name(tensors)))
-    write_tensors(tensors, folder, max_shard_bytes)
+    write_tensors(tensors, folder, options.max_shard_bytes)

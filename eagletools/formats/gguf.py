@@ -19,6 +19,9 @@ against its own `convert_hf_to_gguf.py --target-model-dir` by tests/test_gguf.py
   and Qwen3-style `qk_norm` cannot be expressed and are refused.
 - `eagle3.target_layers` must hold exactly 3 ids, in Hugging Face indexing (see
   `target_layers`).
+
+Write-only in the format registry (`read` is None): the file exists for llama.cpp,
+and the checkpoint it was converted from is the one eagletools reads.
 """
 
 from __future__ import annotations
@@ -33,13 +36,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from eagletools.atomic import atomic_file
 from eagletools.draft import DraftConfig
 from eagletools.errors import UserError
+from eagletools.formats.registry import WriteOptions
 
 log = logging.getLogger(__name__)
 
 NAME = "gguf"
+ONE_FILE = True
+MAGIC = b"GGUF"  # the first 4 bytes of every GGUF file
 ARCH = "eagle3"
 LLAMACPP_BUILD = 11434
 TENSOR_NAMES = {
@@ -365,31 +370,39 @@ def _bpe_tokens(folder: Path, vocab_size: int) -> tuple[list[str], list[int], st
     return tokens, [int(t) for t in types], BPE_PRE[digest]
 
 
-def save_gguf(
-    config: DraftConfig,
-    tensors: dict[str, torch.Tensor],
-    path: str | Path,
-    target: TargetFiles,
-    *,
-    dtype: torch.dtype | None = None,
-    name: str | None = None,
-) -> Path:
-    """Write the draft and the target's vocabulary as one GGUF file, atomically."""
+def matches(path: Path) -> bool:
+    """A GGUF file, by its magic rather than its suffix."""
+    if not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        return f.read(len(MAGIC)) == MAGIC
+
+
+read = None  # write-only: see the module docstring
+
+
+def write(
+    config: DraftConfig, tensors: dict[str, torch.Tensor], path: Path, options: WriteOptions
+) -> None:
+    """Write the draft and `options.target`'s vocabulary as one GGUF file at `path`."""
     import gguf
 
+    if options.target is None:
+        raise UserError(
+            "--to gguf needs --target: the GGUF draft carries the target's tokenizer and "
+            "takes its config (RoPE, context length, default aux layers)"
+        )
     check_supported(config)
-    path = Path(path).expanduser()
-    out = gguf_tensors(config, tensors, dtype)
-    with atomic_file(path) as tmp:
-        w = gguf.GGUFWriter(str(tmp), arch=ARCH)
-        w.add_name(name or path.stem)
-        _add_hparams(w, config, out)
-        _add_vocab(w, target, config.vocab_size)
-        for tensor_name, t in out.items():
-            data, kind = _numpy(t)
-            w.add_tensor(tensor_name, data, raw_dtype=kind)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
-    return path
+    target = TargetFiles.resolve(options.target.info.name_or_path)
+    out = gguf_tensors(config, tensors, options.dtype)
+    w = gguf.GGUFWriter(str(path), arch=ARCH)
+    w.add_name(options.name or path.stem)
+    _add_hparams(w, config, out)
+    _add_vocab(w, target, config.vocab_size)
+    for tensor_name, t in out.items():
+        data, kind = _numpy(t)
+        w.add_tensor(tensor_name, data, raw_dtype=kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

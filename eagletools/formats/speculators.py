@@ -31,11 +31,13 @@ import torch
 from eagletools.draft import DraftConfig
 from eagletools.errors import UserError
 from eagletools.formats import hfconfig
-from eagletools.formats.tensors import DEFAULT_MAX_SHARD_BYTES, read_tensors, write_tensors
+from eagletools.formats.registry import WriteOptions
+from eagletools.formats.tensors import cast_floats, read_tensors, write_tensors
 
 log = logging.getLogger(__name__)
 
 NAME = "speculators"
+ONE_FILE = False
 CONFIG = "config.json"
 ARCHITECTURE = "Eagle3DraftModel"  # what speculators 0.9.0 save_pretrained writes
 SPECULATORS_VERSION = "0.9.0"
@@ -159,17 +161,16 @@ def write(
     config: DraftConfig,
     tensors: dict[str, torch.Tensor],
     folder: Path,
-    *,
-    verifier: dict[str, Any] | None = None,
-    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    options: WriteOptions,
 ) -> None:
-    """Write into an existing (temporary) folder; `verifier` = {name_or_path, architectures}."""
+    """Write into an existing (temporary) folder, recording `options.verifier` as the verifier."""
     if config.aux_layer_ids is None and config.num_aux_states != 3:
         raise UserError(
             f"a draft fusing {config.num_aux_states} aux states needs its aux layer ids in the "
             "speculators format (vLLM assumes 3 without them); convert with --target to "
             "record the defaults, or retrain with explicit ids"
         )
+    tensors = cast_floats(tensors, options.dtype)
     if config.draft_vocab_size == config.vocab_size:
         tensors = {k: v for k, v in tensors.items() if k not in ("d2t", "t2d")}
     if config.target_hidden_size != config.hidden_size:
@@ -185,7 +186,7 @@ def write(
             "transformers 5) leaves them uninitialised instead of copying the verifier's; "
             "write them (--with-embeddings) for it"
         )
-    cfg = config_dict(config, hfconfig.dtype_name(tensors), verifier)
+    cfg = config_dict(config, hfconfig.dtype_name(tensors), options.verifier)
     if cfg["speculators_config"]["verifier"]["name_or_path"] is None:
         log.warning(
             "no verifier recorded: vLLM takes the target from its command line, but the "
@@ -193,4 +194,6 @@ def write(
             "None on the hub); pass --verifier or --target"
         )
     hfconfig.write_json(folder / CONFIG, cfg)
-    write_tensors({from_eagle_key(k): v for k, v in tensors.items()}, folder, max_shard_bytes)
+    write_tensors(
+        {from_eagle_key(k): v for k, v in tensors.items()}, folder, options.max_shard_bytes
+    )

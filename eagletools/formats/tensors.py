@@ -103,6 +103,15 @@ def _read_pickle(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def cast_floats(
+    tensors: dict[str, torch.Tensor], dtype: torch.dtype | None
+) -> dict[str, torch.Tensor]:
+    """`tensors` with the float ones in `dtype` (None: unchanged); the vocab maps stay ints."""
+    if dtype is None:
+        return tensors
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+
+
 def write_tensors(
     tensors: dict[str, torch.Tensor], folder: Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
 ) -> list[str]:

@@ -9,15 +9,16 @@ with the `eagle` tensor keys, beside whatever the trainer keeps for resuming
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from eagletools.draft import DraftConfig
 from eagletools.formats import hfconfig
-from eagletools.formats.tensors import DEFAULT_MAX_SHARD_BYTES, read_tensors, write_tensors
+from eagletools.formats.registry import WriteOptions
+from eagletools.formats.tensors import cast_floats, read_tensors, write_tensors
 
 NAME = "training"
+ONE_FILE = False
 CONFIG = "draft_config.json"
 
 
@@ -34,13 +35,11 @@ def write(
     config: DraftConfig,
     tensors: dict[str, torch.Tensor],
     folder: Path,
-    *,
-    verifier: dict[str, Any] | None = None,
-    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    options: WriteOptions,
 ) -> None:
     """Write the draft part into `folder` (the trainer's temp checkpoint folder)."""
     data = config.to_dict()
-    if verifier:
-        data["extra"] = {**data["extra"], "verifier": verifier}
+    if options.verifier:
+        data["extra"] = {**data["extra"], "verifier": options.verifier}
     hfconfig.write_json(folder / CONFIG, data)
-    write_tensors(tensors, folder, max_shard_bytes)
+    write_tensors(cast_floats(tensors, options.dtype), folder, options.max_shard_bytes)

@@ -26,16 +26,25 @@ SINGLE = "model.safetensors"
 @dataclass
 class TargetSummary:
     info: TargetInfo
-    embeddings: torch.Tensor  # [V, H], the target's input embedding
+    embeddings: torch.Tensor  # [V, H], the target's input embedding; [0, H] when not read
 
 
-def load_target_summary(spec: str | Path, dtype: torch.dtype | None = None) -> TargetSummary:
-    """The target's `TargetInfo` and input embedding (in `dtype`, default as stored)."""
+def load_target_summary(
+    spec: str | Path, dtype: torch.dtype | None = None, with_embeddings: bool = True
+) -> TargetSummary:
+    """The target's `TargetInfo` and input embedding (in `dtype`, default as stored).
+
+    With `with_embeddings=False` only the config is read and the embedding is an
+    empty [0, H] tensor: checks then compare widths and nothing is copied
+    (converting without --with-embeddings needs no more).
+    """
     source = str(dequantised_folder(spec) or spec)
     config = load_config(source)
     info = TargetInfo.from_config(config, str(spec))
-    embeddings = _read_embeddings(source, tied=info.tie_word_embeddings)
-    return TargetSummary(info, embeddings.to(dtype) if dtype is not None else embeddings)
+    if not with_embeddings:
+        return TargetSummary(info, torch.empty(0, info.hidden_size, dtype=dtype))
+    weight = _read_embeddings(source, tied=info.tie_word_embeddings)
+    return TargetSummary(info, weight.to(dtype) if dtype is not None else weight)
 
 
 def _read_embeddings(source: str, tied: bool) -> torch.Tensor:
