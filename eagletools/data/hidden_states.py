@@ -2,7 +2,7 @@
 
 Layout of a cache folder:
 
-    manifest.json                 target identity, aux layer ids, data key, shards
+    manifest.json                 target identity, aux layer ids, data key, job, shards
     target/config.json            the target's config (to size the draft)
     target/head.safetensors       embed_tokens, lm_head and final norm weights
     shards/shard-NNNNN.safetensors

@@ -162,7 +162,11 @@ class RegenerateJob(DataJob):
 @dataclass
 class HiddenStatesJob(DataJob):
     """Run the target once over the tokenised data into the offline hidden-state cache
-    (`data.hidden_states`), sharded over the processes."""
+    (`data.hidden_states`), sharded over the processes.
+
+    The identity says whether captures served, not where they lie: they hold the states of
+    the data's own replies, wherever the folder is named from.
+    """
 
     name: ClassVar[str] = "hidden states"
     target: str
@@ -184,8 +188,7 @@ class HiddenStatesJob(DataJob):
         return {"target": self.target, "dtype": self.dtype, **data,
                 "chat_template": read_chat_template(self.chat_template),
                 "max_length": self.max_length, "aux_layer_ids": self.aux_layer_ids,
-                "shard_size": self.shard_size,
-                "captured": None if self.captured is None else str(self.captured)}  # fmt: skip
+                "shard_size": self.shard_size, "captured": self.captured is not None}  # fmt: skip
 
     def is_done(self) -> bool:
         from eagletools.data.hidden_states import manifest_job
