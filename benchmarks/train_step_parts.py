@@ -33,6 +33,7 @@ def main() -> None:
 
     from eagletools.dtypes import dtype_name
     from eagletools.train import trainer as training
+    from eagletools.train.inputs import online_inputs
     from eagletools.train.recipe import load_config
 
     total = args.warmup + args.steps
@@ -42,7 +43,7 @@ def main() -> None:
     ])  # fmt: skip
     parts: dict[str, list[float]] = defaultdict(list)  # seconds of each call
     with tempfile.TemporaryDirectory() as tmp:
-        trainer = training.Trainer(config, tmp, training.online_inputs(config))
+        trainer = training.Trainer(config, tmp, online_inputs(config))
         # the callables train_step calls, wrapped: train_step itself runs unchanged
         features = training.features
         training.features = timed(parts["target forward (aux states)"], features)

@@ -34,8 +34,9 @@ def main() -> None:
     from eagletools.data import prepare
     from eagletools.data.hidden_states import HiddenStateCache, write_hidden_states
     from eagletools.devices import fast_matmul_dtype
+    from eagletools.train.inputs import load_teacher, offline_inputs, online_inputs
     from eagletools.train.recipe import load_config
-    from eagletools.train.trainer import Trainer, load_teacher, offline_inputs, online_inputs
+    from eagletools.train.trainer import Trainer
 
     common = [
         "data.eval_samples=1", f"training.max_steps={args.steps}", "training.max_minutes=null",

@@ -8,14 +8,21 @@ ascending, so the result depends on the counts alone.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from eagletools.atomic import atomic_file
+from eagletools.atomic import atomic_file, write_text
 from eagletools.errors import UserError
+
+if TYPE_CHECKING:
+    from eagletools.data.batch import SampleSource
+
+RUN_VOCAB, RUN_VOCAB_REPORT = "vocab.safetensors", "vocab_report.json"  # in a training run
 
 
 @dataclass
@@ -205,10 +212,7 @@ def build_vocab_cached(
     The prepared key already covers the data identity, tokenizer, max length
     and sample count.
     """
-    import json
-
     from eagletools.assets import cache_dir
-    from eagletools.atomic import write_text
     from eagletools.data.prepare import cache_key
 
     key = cache_key(prepared=prepared.key, vocab_size=target_vocab_size, size=draft_vocab_size)
@@ -221,3 +225,41 @@ def build_vocab_cached(
     vocab.save(folder / "vocab.safetensors")
     write_text(folder / "report.json", json.dumps(report, indent=2))
     return vocab, report
+
+
+def reply_counts(source: SampleSource, indices: list[int], vocab_size: int) -> torch.Tensor:
+    """`count_tokens` over samples of a `SampleSource` (tokenised data or the offline cache)."""
+    import datasets
+
+    rows = {
+        "input_ids": [source.batch([i]).input_ids[0].tolist() for i in indices],
+        "loss_mask": [source.loss_mask(i).tolist() for i in indices],
+    }
+    return count_tokens(datasets.Dataset.from_dict(rows), vocab_size)
+
+
+def run_vocab(
+    run_dir: Path,
+    *,
+    path: str | None,
+    size: int,
+    count: Callable[[], torch.Tensor],
+    num_samples: int,
+    counted_by: str,
+) -> tuple[DraftVocab, dict[str, Any]]:
+    """A training run's draft vocabulary and report: the file at `path`, the one the run
+    saved before (a resume), or the top `size` ids of `count()` over `num_samples` samples."""
+    if path:
+        return DraftVocab.load(path), {"path": path}
+    if (run_dir / RUN_VOCAB).is_file():
+        report = json.loads((run_dir / RUN_VOCAB_REPORT).read_text())
+        return DraftVocab.load(run_dir / RUN_VOCAB), report
+    counts = count()
+    vocab, report = vocab_from_counts(counts, min(size, counts.numel()), num_samples)
+    return vocab, {**report, "count": counted_by}
+
+
+def save_run_vocab(run_dir: Path, vocab: DraftVocab, report: dict[str, Any]) -> None:
+    """Where `run_vocab` finds a run's vocabulary again."""
+    vocab.save(run_dir / RUN_VOCAB)
+    write_text(run_dir / RUN_VOCAB_REPORT, json.dumps(report, indent=2))

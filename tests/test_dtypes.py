@@ -77,8 +77,8 @@ def test_dtype_flags_take_both_spellings(argv, capsys):
 
 def test_training_precision_auto_is_the_devices_faster_matmul_dtype(tiny_target, monkeypatch):
     from eagletools.devices import fast_matmul_dtype
+    from eagletools.train.inputs import load_teacher, training_dtype
     from eagletools.train.recipe import load_config
-    from eagletools.train.trainer import load_teacher, training_dtype
 
     cpu = torch.device("cpu")
     assert load_config().training.precision == "auto"

@@ -12,7 +12,8 @@ from eagletools.data import hidden_states as hs
 from eagletools.data.hidden_states import HiddenStateCache, write_hidden_states
 from eagletools.errors import UserError
 from eagletools.target import capture_aux
-from eagletools.train.trainer import Trainer, offline_inputs
+from eagletools.train.inputs import offline_inputs
+from eagletools.train.trainer import Trainer
 
 
 def write(target, dataset, path, **kwargs):
@@ -164,10 +165,15 @@ def test_offline_in_one_command_builds_then_reuses_the_cache(tmp_path):
     result = train(config, tmp_path / "o", target=tiny_target(), dataset=random_dataset(n=40))
     assert result["mode"] == "offline" and result["steps"] == 2
     assert HiddenStateCache.is_complete(tmp_path / "o" / "hidden-states")
-    # a rerun reads the cache: it never loads the target ("tiny-llama" is no loadable spec)
+    # a rerun with the same data reads the cache: it never loads the target ("tiny-llama" is
+    # no loadable spec)
     resumed = tiny_config("data.offline=true", "target.spec=tiny-llama", "training.max_steps=3")
     with pytest.raises(UserError, match="another recipe"):
-        train(resumed, tmp_path / "o", resume=True)
+        train(resumed, tmp_path / "o", resume=True, dataset=random_dataset(n=40))
+    # other settings are another cache: the stage runs again, and refuses to mix the two
+    longer = tiny_config("data.offline=true", "target.spec=tiny-llama", "data.max_length=128")
+    with pytest.raises(UserError, match="manifest.json: this cache was made with another max"):
+        train(longer, tmp_path / "o", target=tiny_target(), dataset=random_dataset(n=40))
 
 
 def test_states_kept_while_regenerating_serve_the_cache(tmp_path):

@@ -213,3 +213,28 @@ def test_cli_keeps_states_for_the_cache(tmp_path, caplog):
     assert len(HiddenStateCache.open(tmp_path / "hs")) == 5
     server = ["data", "regenerate", "--data", str(data), "--server", "http://x", "--output", "o"]
     assert main([*server, "--keep-states"]) == 2
+
+
+def test_job_identity_covers_what_shapes_the_replies(tmp_path):
+    """Every setting that changes a local target's replies (or where a resume cuts the
+    parts) changes the identity; the states kept on the way do not, and neither does
+    the data file's name, only its content."""
+    from dataclasses import replace
+
+    from eagletools.data.jobs import DataSource, RegenerateJob
+
+    data = tmp_path / "chats.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "q"}]}) + "\n")
+    job = RegenerateJob(DataSource(str(data)), tmp_path / "out.jsonl", target="t")
+    changes = [{"dtype": "float32"}, {"chunk_size": 3}, {"batch_size": 2}, {"max_turns": 1},
+               {"max_prompt_tokens": 9}, {"sampling": Sampling(seed=1)}, {"target": "u"},
+               {"chat_template": "{{ messages[0]['content'] }}"},
+               {"data": DataSource(str(data), num_samples=1)}]  # fmt: skip
+    identities = [job.identity()] + [replace(job, **change).identity() for change in changes]
+    assert len({json.dumps(i, sort_keys=True) for i in identities}) == 1 + len(changes)
+    assert replace(job, keep_states=True, aux_layer_ids=[1, 2]).identity() == job.identity()
+    copy = tmp_path / "copy.jsonl"
+    copy.write_text(data.read_text())
+    assert replace(job, data=DataSource(str(copy))).identity() == job.identity()
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "edited"}]}) + "\n")
+    assert job.identity() != identities[0]

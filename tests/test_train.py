@@ -13,8 +13,9 @@ from eagletools.errors import UserError
 from eagletools.target import Target, TargetInfo
 from eagletools.train import trainer as trainer_mod
 from eagletools.train.data import plan_epoch, split_indices
+from eagletools.train.inputs import online_inputs, regeneration_job
 from eagletools.train.recipe import load_config
-from eagletools.train.trainer import Trainer, lr_factor, online_inputs, train
+from eagletools.train.trainer import Trainer, lr_factor, train
 from eagletools.train.ttt import TTTModel
 
 
@@ -498,8 +499,9 @@ def test_regenerate_section_trains_on_the_targets_own_replies(tmp_path, offline)
         reply = first.input_ids[0, first.loss_mask[0].bool()].tolist()
         text = tokenizer.decode(reply, skip_special_tokens=True).strip()
         assert text and any(r["messages"][1]["content"].startswith(text) for r in regenerated)
-    identity = trainer_mod._regeneration_identity(config)  # a rerun skips the stage, unless
-    assert is_regenerated(tmp_path / "o" / "regenerated.jsonl", identity)  # settings differ
+    identity = regeneration_job(config, tmp_path / "o" / "regenerated.jsonl").identity()
+    # a rerun skips the stage, unless settings differ
+    assert is_regenerated(tmp_path / "o" / "regenerated.jsonl", identity)
     assert not is_regenerated(tmp_path / "o" / "regenerated.jsonl", {**identity, "seed": 1})
     with pytest.raises(UserError, match="data.regenerate.max_new_tokens"):
         tiny_config("data.regenerate.max_new_tokens=0")
@@ -610,10 +612,9 @@ def test_regeneration_identity_follows_the_chat_template(tmp_path):
     identities = []
     for text in ("{{ messages[0]['content'] }}", "{{ messages[-1]['content'] }}"):
         template.write_text(text)
-        identities.append(
-            trainer_mod._regeneration_identity(tiny_config(f"data.chat_template={template}"))
-        )
-    identities.append(trainer_mod._regeneration_identity(tiny_config()))
+        config = tiny_config(f"data.chat_template={template}")
+        identities.append(regeneration_job(config, tmp_path / "r.jsonl").identity())
+    identities.append(regeneration_job(tiny_config(), tmp_path / "r.jsonl").identity())
     assert len({json.dumps(i, sort_keys=True) for i in identities}) == 3
 
 

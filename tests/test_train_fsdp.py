@@ -116,7 +116,8 @@ STEP_SCRIPT = textwrap.dedent(
     from torch.distributed.tensor import DTensor
     from test_train import random_dataset, tiny_config, tiny_target
 
-    from eagletools.train.trainer import Trainer, online_inputs
+    from eagletools.train.inputs import online_inputs
+    from eagletools.train.trainer import Trainer
 
     out, batch_size, clip = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
     config = tiny_config(f"training.batch_size={{batch_size}}", "training.max_steps=1",

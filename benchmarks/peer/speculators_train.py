@@ -96,7 +96,7 @@ def peer_dtype(config: Any) -> str:
     Their bf16 default would pit our fp32 against bf16 products at 0.013x fp32's speed
     on a CPU without bf16 dot products (a 2-core AVX2 EPYC)."""
     from eagletools.dtypes import dtype_name
-    from eagletools.train.trainer import training_dtype
+    from eagletools.train.inputs import training_dtype
 
     return dtype_name(str(training_dtype(config.training.precision, torch.device("cpu"))))
 
@@ -108,7 +108,7 @@ def write_data(config: Any, out: Path, train_samples: int | None) -> dict[str, A
 
     from eagletools.target import default_aux_layer_ids
     from eagletools.train.data import split_indices, trainable
-    from eagletools.train.trainer import load_teacher, online_inputs
+    from eagletools.train.inputs import load_teacher, online_inputs
 
     # our online teacher's dtype: bf16 forwards captured 195 conversations in 19 minutes
     # on a CPU without bf16 dot products (an AVX2 EPYC), where ours trains in fp32
@@ -199,8 +199,9 @@ def held_out(recipe: str, overrides: list[str], draft: Path, work: Path) -> dict
     trainer built with the draft's architecture and vocabulary, the draft's weights
     loaded in its place."""
     from eagletools.formats import load_checkpoint
+    from eagletools.train.inputs import online_inputs
     from eagletools.train.recipe import load_config
-    from eagletools.train.trainer import Trainer, online_inputs
+    from eagletools.train.trainer import Trainer
     from eagletools.vocab import DraftVocab
 
     ckpt = load_checkpoint(draft)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from eagletools.commands import add_chat_template_argument, add_command, add_device_argument
@@ -10,6 +11,7 @@ from eagletools.dtypes import dtype_arg
 
 if TYPE_CHECKING:
     from eagletools.data.conversations import HubOptions
+    from eagletools.data.jobs import DataSource
 
 
 def add_data_args(p: argparse.ArgumentParser) -> None:
@@ -119,28 +121,30 @@ def _layer_ids(value: str | None) -> list[int] | None:
         raise UserError(f"--aux-layer-ids {value!r}: give integers like 2,15,27") from None
 
 
+def _data_source(args: argparse.Namespace) -> DataSource:
+    """The `DataSource` of `add_data_args`' flags."""
+    from eagletools.data.jobs import DataSource
+
+    return DataSource(args.data, args.num_samples, hub_options(args))
+
+
 def _hidden_states(args: argparse.Namespace) -> int:
-    from eagletools.data.hidden_states import HiddenStateCache, write_hidden_states
+    from eagletools.data.jobs import HiddenStatesJob
     from eagletools.devices import resolve_device
     from eagletools.dtypes import parse_dtype
     from eagletools.target import load_target
 
-    layer_ids = _layer_ids(args.aux_layer_ids)
+    job = HiddenStatesJob(
+        args.target, _data_source(args), Path(args.output_dir), dtype=args.dtype,
+        max_length=args.max_length, chat_template=args.chat_template,
+        aux_layer_ids=_layer_ids(args.aux_layer_ids), shard_size=args.shard_size,
+        batch_tokens=args.batch_tokens, captured=Path(args.captured) if args.captured else None,
+        num_proc=args.num_proc,
+    )  # fmt: skip
     # auto: under `accelerate launch`, each rank on its own GPU
     device = resolve_device(args.device)
     target = load_target(args.target, dtype=parse_dtype(args.dtype), device=device)
-    prepared = prepare_from_args(args, tokenizer=target.tokenizer)
-    print(prepared.summary())
-    root = write_hidden_states(
-        target, prepared.dataset, args.output_dir, data_key=prepared.key,
-        max_length=args.max_length, layer_ids=layer_ids, shard_size=args.shard_size,
-        batch_tokens=args.batch_tokens, captured=args.captured,
-    )  # fmt: skip
-    if HiddenStateCache.is_complete(root):
-        cache = HiddenStateCache.open(root)
-        print(f"{root}: {len(cache)} samples, {cache.bytes_per_token():.0f} bytes per token")
-    else:
-        print(f"{root}: this rank is done; the manifest completes when every rank is")
+    job.run(target, echo=print)
     return 0
 
 
@@ -191,10 +195,8 @@ def _register_regenerate(sub: argparse._SubParsersAction) -> None:
 
 
 def _regenerate(args: argparse.Namespace) -> int:
-    from dataclasses import asdict
-
-    from eagletools.data.conversations import load_conversations
-    from eagletools.data.regenerate import Sampling, local_generator, regenerate, server_generator
+    from eagletools.data.jobs import RegenerateJob
+    from eagletools.data.regenerate import Sampling
     from eagletools.errors import UserError
 
     if bool(args.target) == bool(args.server):
@@ -203,43 +205,22 @@ def _regenerate(args: argparse.Namespace) -> int:
         raise UserError("--keep-states needs a local --target: a server returns only text")
     if args.server and args.chat_template:
         raise UserError("--chat-template is for a local --target; a --server renders with its own")
-    sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p, args.seed)
-    conversations, report = load_conversations(args.data, args.num_samples, hub_options(args))
-    print(report.summary())
-    if args.server:
-        generate = server_generator(args.server, sampling, args.model, args.batch_size)
-        backend = {"server": args.server, "model": args.model}
-    else:
-        from eagletools.data.chat import read_chat_template, set_chat_template
-        from eagletools.devices import resolve_device
-        from eagletools.target import load_target
-
-        target = load_target(args.target, device=resolve_device(args.device))
-        set_chat_template(target.tokenizer, args.chat_template)
-        layers = ()
-        if args.keep_states:
-            from eagletools.target import resolve_aux_layer_ids
-
-            chosen = _layer_ids(args.aux_layer_ids)
-            layers = resolve_aux_layer_ids(chosen, target.info.num_layers)
-        generate = local_generator(
-            target, sampling, args.batch_size, args.max_prompt_tokens, layers
-        )
-        backend = {"target": args.target, "chat_template": read_chat_template(args.chat_template)}
     if args.max_turns is not None and args.max_turns < 1:
         raise UserError(f"--max-turns must be at least 1, got {args.max_turns}")
-    identity = {"data": args.data, "split": args.data_split, "revision": args.data_revision,
-                "num_samples": args.num_samples, "max_turns": args.max_turns,
-                "max_prompt_tokens": args.max_prompt_tokens, **backend,
-                **asdict(sampling)}  # fmt: skip
-    out = regenerate(conversations, generate, args.output, identity=identity,
-                     chunk_size=args.chunk_size, max_turns=args.max_turns)  # fmt: skip
-    with open(out) as f:
-        written = sum(1 for _ in f)
-    dropped = (
-        f" ({len(conversations) - written} dropped: prompt too long)"
-        if written < len(conversations)
-        else ""
-    )
-    print(f"{out}: {written} conversations with regenerated replies{dropped}")
+    job = RegenerateJob(
+        _data_source(args), Path(args.output),
+        Sampling(args.max_new_tokens, args.temperature, args.top_p, args.seed),
+        target=args.target, chat_template=args.chat_template, server=args.server,
+        model=args.model, batch_size=args.batch_size, chunk_size=args.chunk_size,
+        max_turns=args.max_turns, max_prompt_tokens=args.max_prompt_tokens,
+        keep_states=args.keep_states, aux_layer_ids=_layer_ids(args.aux_layer_ids),
+    )  # fmt: skip
+    target = None
+    if args.target:
+        from eagletools.devices import resolve_device
+        from eagletools.dtypes import parse_dtype
+        from eagletools.target import load_target
+
+        target = load_target(args.target, parse_dtype(job.dtype), resolve_device(args.device))
+    job.run(target, echo=print)
     return 0

@@ -2,7 +2,7 @@
 
 Layout of a cache folder:
 
-    manifest.json                 target identity, aux layer ids, data key, shards
+    manifest.json                 target identity, aux layer ids, data key, job, shards
     target/config.json            the target's config (to size the draft)
     target/head.safetensors       embed_tokens, lm_head and final norm weights
     shards/shard-NNNNN.safetensors
@@ -56,8 +56,10 @@ def shard_path(root: Path, k: int) -> Path:
     return root / "shards" / f"shard-{k:05d}.safetensors"
 
 
-def _identity(target: Any, layer_ids: list[int], data_key: str, max_length: int) -> dict:
-    return {
+def _identity(
+    target: Any, layer_ids: list[int], data_key: str, max_length: int, job: dict | None
+) -> dict:
+    identity = {
         "version": VERSION,
         "target": {
             "name_or_path": target.info.name_or_path,
@@ -71,6 +73,7 @@ def _identity(target: Any, layer_ids: list[int], data_key: str, max_length: int)
         "max_length": max_length,
         "dtype": "bfloat16",
     }
+    return identity if job is None else {**identity, "job": job}
 
 
 def _check_identity(found: dict, want: dict, root: Path) -> None:
@@ -82,6 +85,20 @@ def _check_identity(found: dict, want: dict, root: Path) -> None:
                 f"({found.get(key)} vs {want[key]}); use a new output folder, or the same "
                 "target, layers and data to resume it"
             )
+    if "job" in found and "job" in want and found["job"] != want["job"]:
+        raise UserError(
+            f"{root}/manifest.json: this cache was made with other settings ({found['job']} "
+            f"vs {want['job']}); use a new output folder, or the same settings to resume it"
+        )
+
+
+def manifest_job(path: str | Path) -> dict | None:
+    """The settings a complete cache was made with (`data.jobs`); None while incomplete."""
+    manifest = Path(path) / "manifest.json"
+    if not manifest.is_file():
+        return None
+    found = json.loads(manifest.read_text())
+    return found.get("job") if found.get("complete") else None
 
 
 def write_hidden_states(
@@ -97,6 +114,7 @@ def write_hidden_states(
     rank: int | None = None,
     world_size: int | None = None,
     captured: str | Path | None = None,
+    job: dict | None = None,
 ) -> Path:
     """Capture aux and last hidden states of every sample into `output_dir`.
 
@@ -104,26 +122,20 @@ def write_hidden_states(
     or torchrun set. `captured`: a regeneration's parts folder; a sample whose
     states it kept at these layers takes them (and the reply's tokens as the
     target wrote them, `data.captures`) instead of a run through the target.
+    `job`: the settings behind the cache (`data.jobs`), kept in the manifest.
     Returns the cache folder; its manifest is complete once every shard of
     every rank exists.
     """
-    from safetensors.torch import save_file
     from tqdm.auto import tqdm
 
-    from eagletools.target import capture_aux, resolve_aux_layer_ids
+    from eagletools.target import resolve_aux_layer_ids
 
     rank = int(os.environ.get("RANK", 0)) if rank is None else rank
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
     root = Path(output_dir)
     layer_ids = resolve_aux_layer_ids(layer_ids, target.info.num_layers)
-    identity = _identity(target, layer_ids, data_key, max_length)
-    manifest_path = root / "manifest.json"
-    if manifest_path.is_file():
-        _check_identity(json.loads(manifest_path.read_text()), identity, root)
-    elif rank == 0:
-        write_text(manifest_path, json.dumps({**identity, "complete": False}, indent=2))
-        _write_head(target, root)
-
+    identity = _identity(target, layer_ids, data_key, max_length, job)
+    _start_manifest(root, target, identity, rank)
     n = len(dataset)
     if n == 0:
         raise UserError("the dataset is empty after filtering: nothing to cache")
@@ -133,21 +145,62 @@ def write_hidden_states(
     if len(todo) < len(mine):
         log.info("rank %d: %d of %d shards already cached", rank, len(mine) - len(todo), len(mine))
     captures = Captures.open(Path(captured), layer_ids) if captured else None
-    model, hidden = target.model, target.info.hidden_size
     reused = 0
     for k in tqdm(todo, desc=f"hidden states (rank {rank})", unit="shard", disable=not todo):
         rows = dataset[k * shard_size : min((k + 1) * shard_size, n)]
+        samples = _Rows.read(rows, captures, max_length, target.info.hidden_size)
+        samples.run_target(target.model, layer_ids, batch_tokens)
+        reused += samples.reused
+        _write_shard(shard_path(root, k), samples.tensors())
+    if captures is not None:
+        log.info("rank %d: %d samples from the regeneration's captured states, the rest "
+                 "through the target", rank, reused)  # fmt: skip
+    _finish_manifest(root, identity, num_shards, shard_size, n)
+    return root
+
+
+def _start_manifest(root: Path, target: Any, identity: dict, rank: int) -> None:
+    """Check an existing cache's identity (a resume), or start a new one on rank 0."""
+    manifest_path = root / "manifest.json"
+    if manifest_path.is_file():
+        _check_identity(json.loads(manifest_path.read_text()), identity, root)
+    elif rank == 0:
+        write_text(manifest_path, json.dumps({**identity, "complete": False}, indent=2))
+        _write_head(target, root)
+
+
+@dataclass
+class _Rows:
+    """One shard's samples: tokens, loss masks, and their states as they are found."""
+
+    ids: list[torch.Tensor]
+    masks: list[torch.Tensor]
+    aux: list[torch.Tensor | None]
+    last: list[torch.Tensor | None]
+    reused: int = 0  # samples whose states came from the regeneration's captures
+
+    @classmethod
+    def read(cls, rows: dict, captures: Captures | None, max_length: int, hidden: int) -> _Rows:
+        """The rows' tokens; a sample the captures hold takes the last reply as the target
+        wrote it, with its states."""
         ids = [torch.as_tensor(x, dtype=torch.long) for x in rows["input_ids"]]
         masks = [torch.as_tensor(x, dtype=torch.int8) for x in rows["loss_mask"]]
-        aux_rows: list[torch.Tensor] = [None] * len(ids)  # type: ignore[list-item]
-        last_rows: list[torch.Tensor] = [None] * len(ids)  # type: ignore[list-item]
+        out = cls(ids, masks, [None] * len(ids), [None] * len(ids))
         for i, (sample, mask) in enumerate(zip(rows["input_ids"], rows["loss_mask"], strict=True)):
             found = captures.lookup(list(sample), list(mask), max_length) if captures else None
-            if found is not None:  # the last reply as the target wrote it, with its states
-                ids[i], masks[i], states = found
-                aux_rows[i], last_rows[i] = states[:, :-hidden], states[:, -hidden:]
-                reused += 1
-        order = sorted((i for i in range(len(ids)) if aux_rows[i] is None),
+            if found is not None:
+                out.ids[i], out.masks[i], states = found
+                out.aux[i], out.last[i] = states[:, :-hidden], states[:, -hidden:]
+                out.reused += 1
+        return out
+
+    def run_target(self, model: torch.nn.Module, layer_ids: list[int], batch_tokens: int) -> None:
+        """The states of the samples still without, longest first, about `batch_tokens` a
+        forward."""
+        from eagletools.target import capture_aux
+
+        ids = self.ids
+        order = sorted((i for i in range(len(ids)) if self.aux[i] is None),
                        key=lambda i: -ids[i].numel())  # fmt: skip
         while order:
             width = ids[order[0]].numel()
@@ -159,24 +212,27 @@ def write_hidden_states(
                               layer_ids)  # fmt: skip
             for row, i in enumerate(take):
                 length = ids[i].numel()
-                aux_rows[i] = out.aux[row, :length].to(torch.bfloat16).cpu()
-                last_rows[i] = out.last_hidden[row, :length].to(torch.bfloat16).cpu()
-        lengths = torch.tensor([0] + [x.numel() for x in ids])
-        tensors = {
-            "input_ids": torch.cat(ids).to(torch.int32),
-            "loss_mask": torch.cat(masks),
-            "aux": torch.cat(aux_rows),
-            "last_hidden": torch.cat(last_rows),
+                self.aux[i] = out.aux[row, :length].to(torch.bfloat16).cpu()
+                self.last[i] = out.last_hidden[row, :length].to(torch.bfloat16).cpu()
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The shard file's tensors (layout in the module docstring)."""
+        lengths = torch.tensor([0] + [x.numel() for x in self.ids])
+        return {
+            "input_ids": torch.cat(self.ids).to(torch.int32),
+            "loss_mask": torch.cat(self.masks),
+            "aux": torch.cat(self.aux),  # type: ignore[arg-type]
+            "last_hidden": torch.cat(self.last),  # type: ignore[arg-type]
             "offsets": lengths.cumsum(0),
         }
-        shard_path(root, k).parent.mkdir(parents=True, exist_ok=True)
-        with atomic_file(shard_path(root, k)) as tmp:
-            save_file(tensors, str(tmp))
-    if captures is not None:
-        log.info("rank %d: %d samples from the regeneration's captured states, the rest "
-                 "through the target", rank, reused)  # fmt: skip
-    _finish_manifest(root, identity, num_shards, shard_size, n)
-    return root
+
+
+def _write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_file(path) as tmp:
+        save_file(tensors, str(tmp))
 
 
 def _write_head(target: Any, root: Path) -> None:

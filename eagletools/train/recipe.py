@@ -24,6 +24,8 @@ from eagletools.errors import UserError
 if TYPE_CHECKING:
     from eagletools.data.conversations import HubOptions
 
+Check = tuple[bool, str, str]  # (holds, the dotted key, what it must be)
+
 
 @dataclass
 class TargetSection:
@@ -47,6 +49,14 @@ class RegenerateSection:
     temperature: float = 0.0  # 0: greedy, as the drafts are evaluated
     batch_size: int = 48  # histories per batched forward
 
+    def checks(self) -> list[Check]:
+        return [
+            (self.max_turns is None or self.max_turns >= 1, "data.regenerate.max_turns",
+             "must be at least 1 (or null: all turns)"),
+            (self.max_new_tokens >= 1, "data.regenerate.max_new_tokens", "must be at least 1"),
+            (self.batch_size >= 1, "data.regenerate.batch_size", "must be >= 1"),
+        ]  # fmt: skip
+
 
 @dataclass
 class DataSection:
@@ -68,6 +78,13 @@ class DataSection:
 
         return HubOptions(self.split, self.revision, self.streaming)
 
+    def checks(self) -> list[Check]:
+        return [
+            (self.max_length >= 4, "data.max_length", "must be at least 4"),
+            (self.eval_samples >= 0, "data.eval_samples", "must be >= 0"),
+            (bool(self.split), "data.split", "must name a split, e.g. train"),
+        ]
+
 
 @dataclass
 class VocabSection:
@@ -77,6 +94,15 @@ class VocabSection:
     # argmax at those positions (what the draft must predict; differs where the replies
     # are not the target's own), one more target pass over count_samples conversations
     count_samples: int | None = None  # training conversations counted (None: all)
+
+    def checks(self) -> list[Check]:
+        return [
+            (self.count in ("replies", "target_argmax"), "vocab.count",
+             "must be replies or target_argmax"),
+            (self.count_samples is None or self.count_samples >= 1, "vocab.count_samples",
+             "must be at least 1 (or null: all)"),
+            (self.draft_vocab_size >= 1, "vocab.draft_vocab_size", "must be positive"),
+        ]  # fmt: skip
 
 
 @dataclass
@@ -90,6 +116,15 @@ class DraftSection:
     intermediate_size: int | None = None  # the MLP's width (None: the target's)
     engines: list[str] = field(default_factory=list)  # serving engines the draft is for
     # (formats.engines.ENGINES): training refuses an option one of them ignores
+
+    def checks(self) -> list[Check]:
+        return [
+            (not (self.freeze_head and self.init_head_from_target), "draft.freeze_head",
+             "starts the norm at 1 with the target's lm_head rows; set "
+             "draft.init_head_from_target: false with it"),
+            (self.intermediate_size is None or self.intermediate_size >= 1,
+             "draft.intermediate_size", "must be positive (or null: the target's)"),
+        ]  # fmt: skip
 
 
 @dataclass
@@ -139,12 +174,48 @@ class TrainingSection:
     compile: bool = False  # torch.compile the training unroll: ~1 min once, then faster steps
     num_threads: int | None = None  # torch CPU threads (None: torch's default)
 
+    def checks(self) -> list[Check]:
+        return [
+            (self.ttt_steps >= 1, "training.ttt_steps", "must be at least 1"),
+            (self.eval_ttt_steps >= 1, "training.eval_ttt_steps", "must be at least 1"),
+            (0 < self.ttt_decay <= 1, "training.ttt_decay", "must be in (0, 1]"),
+            (self.loss_on in ("replies", "all"), "training.loss_on", "must be replies or all"),
+            (self.lr > 0, "training.lr", "must be positive"),
+            (self.teacher_temperature > 0, "training.teacher_temperature", "must be positive"),
+            (0 <= self.teacher_argmax_weight <= 1, "training.teacher_argmax_weight",
+             "must be in [0, 1]"),
+            (self.optimizer in ("adamw", "muon"), "training.optimizer", "must be adamw or muon"),
+            (self.schedule in ("cosine", "linear"), "training.schedule",
+             "must be cosine or linear"),
+            (self.muon_lr_ratio > 0, "training.muon_lr_ratio", "must be positive"),
+            (len(self.betas) == 2, "training.betas", "must be two numbers, e.g. [0.9, 0.95]"),
+            (0 <= self.warmup_ratio < 1, "training.warmup_ratio", "must be in [0, 1)"),
+            (self.batch_size >= 1, "training.batch_size", "must be at least 1"),
+            (self.eval_batch_size >= 1, "training.eval_batch_size", "must be at least 1"),
+            (self.grad_accum >= 1, "training.grad_accum", "must be at least 1"),
+            (self.num_epochs > 0, "training.num_epochs", "must be positive"),
+            (self.max_steps is None or self.max_steps >= 1, "training.max_steps", "must be >= 1"),
+            (self.max_minutes is None or self.max_minutes > 0, "training.max_minutes",
+             "must be > 0"),
+            (self.warmup_steps is None or self.warmup_steps >= 0, "training.warmup_steps",
+             "must be >= 0"),
+            (self.precision in ("auto", "bf16", "fp32"), "training.precision",
+             "must be auto, bf16 or fp32"),
+            (self.keep_last >= 1, "training.keep_last", "must be at least 1"),
+            (self.max_bad_steps >= 1, "training.max_bad_steps", "must be at least 1"),
+            (self.attn_chunk >= 1, "training.attn_chunk", "must be at least 1"),
+        ]  # fmt: skip
+
 
 @dataclass
 class TrackingSection:
     report_to: str = "none"  # none | wandb | tensorboard
     project: str = "eagletools"
     run_name: str | None = None
+
+    def checks(self) -> list[Check]:
+        return [(self.report_to in ("none", "wandb", "tensorboard"), "tracking.report_to",
+                 "must be none, wandb or tensorboard")]  # fmt: skip
 
 
 @dataclass
@@ -166,6 +237,12 @@ class EvalSection:
     engines: list[str] = field(default_factory=list)
     engine_depth: int = 3  # the chain the engines draft (vLLM's num_speculative_tokens)
 
+    def checks(self) -> list[Check]:
+        return [
+            (self.num_prompts >= 1, "eval.num_prompts", "must be at least 1"),
+            (self.max_new_tokens >= 1, "eval.max_new_tokens", "must be at least 1"),
+        ]
+
 
 @dataclass
 class TrainConfig:
@@ -185,91 +262,9 @@ class TrainConfig:
         if t.precision != "auto":
             precision = dtype_name(t.precision, f"{source}: training.precision")
             t.precision = {"bfloat16": "bf16", "float32": "fp32"}.get(precision, precision)
-        checks = [
-            (t.ttt_steps >= 1, "training.ttt_steps", "must be at least 1"),
-            (t.eval_ttt_steps >= 1, "training.eval_ttt_steps", "must be at least 1"),
-            (0 < t.ttt_decay <= 1, "training.ttt_decay", "must be in (0, 1]"),
-            (t.loss_on in ("replies", "all"), "training.loss_on", "must be replies or all"),
-            (t.lr > 0, "training.lr", "must be positive"),
-            (t.teacher_temperature > 0, "training.teacher_temperature", "must be positive"),
-            (
-                0 <= t.teacher_argmax_weight <= 1,
-                "training.teacher_argmax_weight",
-                "must be in [0, 1]",
-            ),
-            (t.optimizer in ("adamw", "muon"), "training.optimizer", "must be adamw or muon"),
-            (
-                t.schedule in ("cosine", "linear"),
-                "training.schedule",
-                "must be cosine or linear",
-            ),
-            (t.muon_lr_ratio > 0, "training.muon_lr_ratio", "must be positive"),
-            (
-                not (self.draft.freeze_head and self.draft.init_head_from_target),
-                "draft.freeze_head",
-                "starts the norm at 1 with the target's lm_head rows; set "
-                "draft.init_head_from_target: false with it",
-            ),
-            (
-                self.vocab.count in ("replies", "target_argmax"),
-                "vocab.count",
-                "must be replies or target_argmax",
-            ),
-            (
-                self.vocab.count_samples is None or self.vocab.count_samples >= 1,
-                "vocab.count_samples",
-                "must be at least 1 (or null: all)",
-            ),
-            (len(t.betas) == 2, "training.betas", "must be two numbers, e.g. [0.9, 0.95]"),
-            (0 <= t.warmup_ratio < 1, "training.warmup_ratio", "must be in [0, 1)"),
-            (t.batch_size >= 1, "training.batch_size", "must be at least 1"),
-            (t.eval_batch_size >= 1, "training.eval_batch_size", "must be at least 1"),
-            (t.grad_accum >= 1, "training.grad_accum", "must be at least 1"),
-            (t.num_epochs > 0, "training.num_epochs", "must be positive"),
-            (t.max_steps is None or t.max_steps >= 1, "training.max_steps", "must be >= 1"),
-            (t.max_minutes is None or t.max_minutes > 0, "training.max_minutes", "must be > 0"),
-            (
-                t.warmup_steps is None or t.warmup_steps >= 0,
-                "training.warmup_steps",
-                "must be >= 0",
-            ),
-            (
-                t.precision in ("auto", "bf16", "fp32"),
-                "training.precision",
-                "must be auto, bf16 or fp32",
-            ),
-            (t.keep_last >= 1, "training.keep_last", "must be at least 1"),
-            (t.max_bad_steps >= 1, "training.max_bad_steps", "must be at least 1"),
-            (t.attn_chunk >= 1, "training.attn_chunk", "must be at least 1"),
-            (self.data.max_length >= 4, "data.max_length", "must be at least 4"),
-            (self.data.eval_samples >= 0, "data.eval_samples", "must be >= 0"),
-            (bool(self.data.split), "data.split", "must name a split, e.g. train"),
-            (
-                self.data.regenerate.max_turns is None or self.data.regenerate.max_turns >= 1,
-                "data.regenerate.max_turns",
-                "must be at least 1 (or null: all turns)",
-            ),
-            (
-                self.data.regenerate.max_new_tokens >= 1,
-                "data.regenerate.max_new_tokens",
-                "must be at least 1",
-            ),
-            (self.data.regenerate.batch_size >= 1, "data.regenerate.batch_size", "must be >= 1"),
-            (
-                self.draft.intermediate_size is None or self.draft.intermediate_size >= 1,
-                "draft.intermediate_size",
-                "must be positive (or null: the target's)",
-            ),
-            (self.vocab.draft_vocab_size >= 1, "vocab.draft_vocab_size", "must be positive"),
-            (self.eval.num_prompts >= 1, "eval.num_prompts", "must be at least 1"),
-            (self.eval.max_new_tokens >= 1, "eval.max_new_tokens", "must be at least 1"),
-            (
-                self.tracking.report_to in ("none", "wandb", "tensorboard"),
-                "tracking.report_to",
-                "must be none, wandb or tensorboard",
-            ),
-        ]
-        for ok, key, why in checks:
+        sections = (t, self.data, self.data.regenerate, self.vocab, self.draft, self.eval,
+                    self.tracking)  # fmt: skip
+        for ok, key, why in (check for section in sections for check in section.checks()):
             if not ok:
                 raise UserError(f"{source}: {key} {why}")
         from eagletools.formats.engines import check_recipe_options
@@ -281,6 +276,20 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def flat(self) -> dict[str, Any]:
+        """Every field by its dotted key (`training.lr`), as trackers log a run's config."""
+        return _flat(self.to_dict())
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v if isinstance(v, (int, float, str, bool)) else str(v)
+    return out
 
 
 def _type_name(tp: Any) -> str:

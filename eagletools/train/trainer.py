@@ -1,9 +1,8 @@
 """The training loop: one process on CPU, DDP/FSDP on GPUs, through accelerate.
 
-Online, the target runs in the loop (no grad) and yields the aux states and
-last hidden state per batch; offline, both come memory-mapped from a
-hidden-state cache. Either way the teacher is the target's `lm_head` over
-the draft-vocab rows only, and the loss is the training-time-test unroll.
+The samples, aux states and teacher come from `train.inputs` (online or from a
+hidden-state cache); either way the teacher is the target's `lm_head` over the
+draft-vocab rows only, and the loss is the training-time-test unroll.
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,43 +25,42 @@ import torch
 
 from eagletools.atomic import atomic_file, write_text
 from eagletools.compiling import require_cpu_compiler
-from eagletools.data.batch import SampleSource
+from eagletools.data.jobs import DataJob
 from eagletools.errors import UserError
-from eagletools.stages import Stage, run_stages
+from eagletools.stages import run_stages
 from eagletools.train import checkpoint as ckpt
 from eagletools.train.data import (
     ArgmaxMemo,
-    TokenSamples,
     plan_epoch,
     split_indices,
     steps_per_epoch,
     total_steps,
     trainable,
 )
+from eagletools.train.inputs import (
+    TrainInputs,
+    cache_job,
+    features,
+    load_teacher,
+    offline_inputs,
+    online_inputs,
+    regeneration_job,
+    training_dtype,
+    vocab_counts,
+)
 from eagletools.train.recipe import TrainConfig, dump_config
 from eagletools.train.ttt import (
     StepStats,
     TTTModel,
     bootstrap_intervals,
+    format_metrics,
     step_counts,
     summarize,
-    target_argmax,
     teacher_targets,
 )
+from eagletools.vocab import run_vocab, save_run_vocab
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class TrainInputs:
-    """Where samples, aux states and the teacher come from."""
-
-    source: SampleSource
-    head_model: torch.nn.Module  # a target (or a skeleton of one) to size the draft from
-    lm_head_weight: torch.Tensor  # [V, Ht]
-    aux_layer_ids: list[int]
-    target_model: torch.nn.Module | None  # online: runs per batch; offline: None
-    identity: dict[str, Any]
 
 
 def lr_factor(
@@ -76,115 +73,6 @@ def lr_factor(
     done = min(1.0, progress)
     decay = 0.5 * (1 + math.cos(math.pi * done)) if schedule == "cosine" else 1 - done
     return min_ratio + (1 - min_ratio) * decay
-
-
-def online_inputs(config: TrainConfig, target: Any = None, dataset: Any = None) -> TrainInputs:
-    """The target in the loop; samples from the prepared (tokenised) dataset."""
-    from eagletools.data import prepare_dataset
-    from eagletools.target import resolve_aux_layer_ids
-
-    if target is None:
-        target = load_teacher(config)
-    if dataset is None:
-        d = config.data
-        dataset = prepare_dataset(
-            config.target.spec, d.train, d.max_length, d.num_samples,
-            chat_template=d.chat_template, tokenizer=target.tokenizer, hub=d.hub(),
-        )  # fmt: skip
-    model = target.model
-    layer_ids = resolve_aux_layer_ids(config.target.aux_layer_ids, target.info.num_layers)
-    return TrainInputs(
-        source=TokenSamples(dataset),
-        head_model=model,
-        lm_head_weight=model.get_output_embeddings().weight.detach(),
-        aux_layer_ids=list(layer_ids),
-        target_model=model,
-        identity={"target": target.info.name_or_path, "mode": "online"},
-    )
-
-
-def offline_inputs(config: TrainConfig, path: str | Path | None = None) -> TrainInputs:
-    from eagletools.data.hidden_states import HiddenStateCache
-
-    cache = HiddenStateCache.open(path or config.data.hidden_states)
-    cache.check_target(config.target.spec)
-    if config.target.aux_layer_ids is not None:
-        cache.check_layers(config.target.aux_layer_ids, source="target.aux_layer_ids")
-    skeleton = cache.target_skeleton()
-    head = skeleton.get_output_embeddings().weight.detach()  # as the cache stored it
-    return TrainInputs(
-        source=cache,
-        head_model=skeleton,
-        lm_head_weight=head.to(teacher_dtype(config)),
-        aux_layer_ids=cache.aux_layer_ids,
-        target_model=None,
-        identity={"target": cache.manifest["target"]["name_or_path"], "mode": "offline"},
-    )
-
-
-def features(inputs: TrainInputs, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """(aux [B,T,A*Ht], last_hidden [B,T,Ht]) for a batch."""
-    if inputs.target_model is None:
-        return batch.aux, batch.last_hidden
-    from eagletools.target import capture_aux
-
-    out = capture_aux(
-        inputs.target_model, batch.input_ids, batch.attention_mask, inputs.aux_layer_ids
-    )
-    return out.aux, out.last_hidden
-
-
-def build_vocab_for(
-    config: TrainConfig, inputs: TrainInputs, train_idx: list[int], out: Path, accelerator: Any
-):
-    """The draft vocabulary: a given file, the one of a resumed run, or counted now."""
-    from eagletools.vocab import DraftVocab, count_tokens, vocab_from_counts
-
-    saved = out / "vocab.safetensors"
-    if config.vocab.path:
-        return DraftVocab.load(config.vocab.path), {"path": config.vocab.path}
-    if saved.is_file():
-        return DraftVocab.load(saved), json.loads((out / "vocab_report.json").read_text())
-    import datasets
-
-    src, v = inputs.source, config.vocab
-    counted = train_idx[: v.count_samples]
-    vocab_size = inputs.lm_head_weight.shape[0]
-    size = min(v.draft_vocab_size, vocab_size)
-    if v.count == "target_argmax":
-        counts = argmax_counts(inputs, counted, accelerator)
-    else:
-        rows = {
-            "input_ids": [src.batch([i]).input_ids[0].tolist() for i in counted],
-            "loss_mask": [src.loss_mask(i).tolist() for i in counted],
-        }
-        counts = count_tokens(datasets.Dataset.from_dict(rows), vocab_size)
-    vocab, report = vocab_from_counts(counts, size, len(counted))
-    return vocab, {**report, "count": v.count}
-
-
-@torch.no_grad()
-def argmax_counts(
-    inputs: TrainInputs, indices: list[int], accelerator: Any, batch_size: int = 8
-) -> torch.Tensor:
-    """Counts [V] of the target's argmax at the positions whose next token is a reply
-    token: what the draft must predict there. Sharded over the processes."""
-    src, device = inputs.source, accelerator.device
-    lm_head = inputs.lm_head_weight.to(device)
-    counts = torch.zeros(lm_head.shape[0], dtype=torch.long, device=device)
-    order = sorted(indices, key=src.length)[accelerator.process_index :: accelerator.num_processes]
-    for start in range(0, len(order), batch_size):
-        batch = src.batch(order[start : start + batch_size])
-        _, last_hidden = features(inputs, batch)
-        best = target_argmax(last_hidden.flatten(0, 1).to(device), lm_head)
-        before_reply = _shift_left(batch.loss_mask.bool().to(device))
-        counts += torch.bincount(best[before_reply.flatten()], minlength=counts.numel())
-    return accelerator.reduce(counts, "sum").cpu()
-
-
-def _shift_left(mask: torch.Tensor) -> torch.Tensor:
-    """mask [B,T] -> [B,T] true at t where mask[t+1] is."""
-    return torch.cat([mask[:, 1:], torch.zeros_like(mask[:, :1])], dim=1)
 
 
 @dataclass
@@ -288,9 +176,12 @@ class Trainer:
                 "training.batch_size"
             )
         self._plan: tuple[int, list[list[int]]] | None = None  # (epoch, its global batches)
-        self.vocab, self.vocab_report = build_vocab_for(
-            c, self.inputs, self.train_idx, self.out, self.accelerator
-        )
+        v, counted = c.vocab, self.train_idx[: c.vocab.count_samples]
+        count = functools.partial(vocab_counts, self.inputs, counted, v.count, self.accelerator)
+        self.vocab, self.vocab_report = run_vocab(
+            self.out, path=v.path, size=v.draft_vocab_size, count=count,
+            num_samples=len(counted), counted_by=v.count,
+        )  # fmt: skip
 
     def _setup_model(self) -> TTTModel:
         """The draft, sized and initialised from the target, in its training-time-test unroll."""
@@ -328,14 +219,12 @@ class Trainer:
             groups = muon_groups(model.draft.named_parameters(), t.muon_lr_ratio)
             optimizer = MuonAdamW(
                 groups, t.lr, tuple(t.betas), t.weight_decay,
-                ns_dtype=fast_matmul_dtype(self.device),  # the demo's: 0.26 s bf16, 0.49 fp32 (Zen 4)
+                ns_dtype=fast_matmul_dtype(self.device),
             )  # fmt: skip
         else:
             optimizer = torch.optim.AdamW(
                 trained, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay,
-                # one kernel per step instead of ~10 per tensor: 5 vs 31 ms for the SmolLM2
-                # draft on CPU
-                fused=self.device.type in ("cpu", "cuda"),
+                fused=self.device.type in ("cpu", "cuda"),  # one kernel, not ~10 per tensor
             )  # fmt: skip
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
         # after prepare: FSDP2 swaps every parameter for a new one, and clipping the old
@@ -571,12 +460,11 @@ class Trainer:
         t, c = self.config.training, self.config
         if self.accelerator.is_main_process:
             write_text(self.out / "recipe.yaml", dump_config(c))
-            self.vocab.save(self.out / "vocab.safetensors")
-            write_text(self.out / "vocab_report.json", json.dumps(self.vocab_report, indent=2))
+            save_run_vocab(self.out, self.vocab, self.vocab_report)
         if c.tracking.report_to != "none":
             self.accelerator.init_trackers(
                 c.tracking.project,
-                config=_flat(c.to_dict()),
+                config=c.flat(),
                 init_kwargs={"wandb": {"name": c.tracking.run_name, "dir": str(self.out)}},
             )
         bar = tqdm(total=self.total, initial=self.state.step, desc="train", unit="step",
@@ -603,7 +491,7 @@ class Trainer:
                 eval_metrics = self.evaluate() if self.eval_idx else {}
                 self.accelerator.log({f"eval/{k}": v for k, v in eval_metrics.items()}, step=step)
                 if eval_metrics and self.accelerator.is_main_process:
-                    log.info("step %d held-out %s", step, _fmt(eval_metrics))
+                    log.info("step %d held-out %s", step, format_metrics(eval_metrics))
             if (t.save_every and step % t.save_every == 0) or finished:
                 saved = self._save()
         bar.close()
@@ -667,27 +555,6 @@ class Trainer:
         )
 
 
-def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v if isinstance(v, (int, float, str, bool)) else str(v)
-    return out
-
-
-def _fmt(metrics: dict[str, float]) -> str:
-    keys = ["loss", "acc_0", "acc_1"]
-    out = [f"{k}={metrics[k]:.3f}" for k in keys if k in metrics]
-    for name in ("simulated", "exact"):
-        key = f"{name}_acceptance_length"
-        if key in metrics:
-            out.append(f"{key}={metrics[key]:.3f} [{metrics[key + '_lo']:.3f}, "
-                       f"{metrics[key + '_hi']:.3f}]")  # fmt: skip
-    return " ".join(out)
-
-
 def train(
     config: TrainConfig,
     output_dir: str | Path,
@@ -698,161 +565,30 @@ def train(
 ) -> dict[str, Any]:
     """Train a draft per `config` into `output_dir`; returns the final metrics.
 
-    The data stages run first, each skipped once its output is complete: the target's
-    own replies (data.regenerate), then the hidden-state cache (data.offline).
-    `target`/`dataset` skip loading them (tests, notebooks).
+    The data stages run first, each skipped once its output is complete and made with
+    the same settings: the target's own replies (data.regenerate), then the hidden-state
+    cache (data.offline). `target`/`dataset` skip loading them (tests, notebooks).
     """
-    from eagletools.data.hidden_states import HiddenStateCache
+    from eagletools.data.regenerate import parts_dir
 
     out, d = Path(output_dir), config.data
-    regenerating = d.regenerate.enabled and not d.hidden_states
-    if regenerating and dataset is not None:
-        raise UserError(
-            "data.regenerate rewrites the replies of the conversations in data.train, but a "
-            "tokenised dataset was passed: pass the conversations as data.train instead, "
-            "or set data.regenerate.enabled=false"
-        )
-    load = functools.cache(lambda: target or load_teacher(config))  # only when a stage needs it
-    stages = []
-    if regenerating:
-        from eagletools.data.regenerate import is_regenerated, parts_dir
-
-        regenerated, identity = out / "regenerated.jsonl", _regeneration_identity(config)
-        source = config  # whose conversations get the target's replies
-
-        def regenerate() -> Path:
-            return regenerated_data(source, out, load(), capture=source.data.offline)
-
-        done = _agreed(lambda path: is_regenerated(path, identity))
-        stages.append(Stage("regenerate", regenerated, regenerate, done))
+    jobs: list[DataJob] = []
+    if d.regenerate.enabled and not d.hidden_states:
+        if dataset is not None:
+            raise UserError(
+                "data.regenerate rewrites the replies of the conversations in data.train, but "
+                "a tokenised dataset was passed: pass the conversations as data.train instead, "
+                "or set data.regenerate.enabled=false"
+            )
+        jobs.append(regeneration_job(config, out / "regenerated.jsonl"))
         config = copy.deepcopy(config)
-        config.data.train = str(regenerated)
+        config.data.train = str(jobs[0].output)  # train on the regenerated conversations
     cache = config.data.hidden_states
     if config.data.offline and not cache:
-        cache = out / "hidden-states"
-        captured = parts_dir(regenerated) if regenerating else None
-        run = functools.partial(build_cache, config, cache, load, dataset, captured)
-        stages.append(Stage("hidden states", cache, run, _agreed(HiddenStateCache.is_complete)))
-    run_stages(stages)
+        captured = parts_dir(jobs[0].output) if jobs else None
+        jobs.append(cache_job(config, out / "hidden-states", captured, dataset))
+        cache = jobs[-1].output
+    load = functools.cache(lambda: target or load_teacher(config))  # only when a stage needs it
+    run_stages([job.stage(load) for job in jobs])
     inputs = offline_inputs(config, cache) if cache else online_inputs(config, load(), dataset)
     return Trainer(config, out, inputs, resume=resume).run()
-
-
-def _agreed(done: Callable[[Path], bool]) -> Callable[[Path], bool]:
-    """`done` as the main process answers it: every rank then runs a stage (and its
-    collectives) or skips it, even when another rank checks after the main one wrote."""
-
-    def check(path: Path) -> bool:
-        from accelerate.utils import broadcast_object_list
-
-        return broadcast_object_list([done(path)])[0]
-
-    return check
-
-
-def training_dtype(precision: str, device: torch.device) -> torch.dtype:
-    """training.precision as the dtype training computes in; `auto` picks the device's faster
-    matmuls (the demo's online tokens/s: fp32 at 1.4x bf16's on a Xeon without AMX, bf16 at
-    1.7x fp32's on an EPYC)."""
-    from eagletools.devices import fast_matmul_dtype
-
-    if precision == "auto":
-        return fast_matmul_dtype(device)
-    return torch.bfloat16 if precision == "bf16" else torch.float32
-
-
-def load_teacher(config: TrainConfig) -> Any:
-    """The target on this rank's device, in `teacher_dtype`."""
-    from eagletools.devices import resolve_device
-    from eagletools.target import load_target
-
-    return load_target(config.target.spec, teacher_dtype(config), resolve_device("auto"))
-
-
-def teacher_dtype(config: TrainConfig) -> torch.dtype:
-    """target.dtype, or fp32 when training computes in fp32: there bf16 weights would only
-    add casts, and slower matmuls where bf16 is slower (an AVX2 CPU emulates bf16 products:
-    the full-vocab argmax's product ran at 19 GFLOPS there against fp32's 91)."""
-    from eagletools.devices import resolve_device
-    from eagletools.dtypes import parse_dtype
-
-    if training_dtype(config.training.precision, resolve_device("auto")) == torch.float32:
-        return torch.float32
-    return parse_dtype(config.target.dtype, "target.dtype")
-
-
-def regenerated_data(
-    config: TrainConfig, output_dir: str | Path, target: Any, capture: bool = False
-) -> Path:
-    """data.regenerate: the target's own replies to the data's prompts, written once by the
-    main process into OUT/regenerated.jsonl (a rerun resumes or reuses it); with `capture`,
-    the hidden states the offline cache needs are kept on the way (`data.captures`)."""
-    from accelerate import PartialState
-
-    from eagletools.data.chat import set_chat_template
-    from eagletools.data.conversations import load_conversations
-    from eagletools.data.regenerate import Sampling, local_generator, regenerate
-    from eagletools.target import resolve_aux_layer_ids
-
-    d, r = config.data, config.data.regenerate
-    out = Path(output_dir) / "regenerated.jsonl"
-    state = PartialState(cpu=not torch.cuda.is_available())
-    if state.is_main_process:
-        conversations, report = load_conversations(d.train, d.num_samples, d.hub())
-        log.info("%s", report.summary())
-        sampling = Sampling(r.max_new_tokens, r.temperature, 1.0, config.training.seed)
-        set_chat_template(target.tokenizer, d.chat_template)  # the prompts' template, too
-        chosen, num_layers = config.target.aux_layer_ids, target.info.num_layers
-        layers = resolve_aux_layer_ids(chosen, num_layers) if capture else []
-        generate = local_generator(target, sampling, r.batch_size, r.max_prompt_tokens, layers)
-        regenerate(conversations, generate, out, identity=_regeneration_identity(config),
-                   max_turns=r.max_turns, chunk_size=4 * r.batch_size)  # fmt: skip
-    state.wait_for_everyone()
-    return out
-
-
-def _regeneration_identity(config: TrainConfig) -> dict[str, Any]:
-    """What the regenerated replies depend on; replies made with other values are not reused.
-    The template's text, not its file name: prompts are rendered with it."""
-    from eagletools.data.chat import read_chat_template
-
-    d = config.data
-    return {"data": d.train, "split": d.split, "revision": d.revision,
-            "num_samples": d.num_samples, "target": config.target.spec,
-            "chat_template": read_chat_template(d.chat_template),
-            "seed": config.training.seed, **dataclasses.asdict(d.regenerate)}  # fmt: skip
-
-
-def build_cache(
-    config: TrainConfig,
-    path: Path,
-    load_target: Callable[[], Any],
-    dataset: Any = None,
-    captured: Path | None = None,
-) -> None:
-    """data.offline: run the target once over the data into `path` (resumable, sharded over
-    processes), so every epoch after reads it instead of running the target; samples whose
-    states regeneration kept in `captured` skip that run, and once the cache is complete
-    those captures (as large as the cache) are deleted."""
-    from accelerate import PartialState
-
-    from eagletools.data import prepare
-    from eagletools.data.hidden_states import HiddenStateCache, write_hidden_states
-
-    state = PartialState(cpu=not torch.cuda.is_available())
-    d, target = config.data, load_target()
-    key = "given"
-    if dataset is None:
-        prepared = prepare(config.target.spec, d.train, d.max_length, d.num_samples,
-                           chat_template=d.chat_template, tokenizer=target.tokenizer,
-                           hub=d.hub())  # fmt: skip
-        dataset, key = prepared.dataset, prepared.key
-    write_hidden_states(
-        target, dataset, path, data_key=key, max_length=d.max_length,
-        layer_ids=config.target.aux_layer_ids, rank=state.process_index,
-        world_size=state.num_processes, captured=captured,
-    )  # fmt: skip
-    state.wait_for_everyone()
-    if captured is not None and state.is_main_process and HiddenStateCache.is_complete(path):
-        for part in captured.glob("part-*.safetensors"):  # the cache holds them now
-            part.unlink()

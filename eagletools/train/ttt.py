@@ -321,6 +321,18 @@ def summarize(stats: StepStats, decay: float) -> dict[str, float]:
     return out
 
 
+def format_metrics(metrics: dict[str, float]) -> str:
+    """The headline of `summarize` (with `bootstrap_intervals`) on one log line."""
+    keys = ["loss", "acc_0", "acc_1"]
+    out = [f"{k}={metrics[k]:.3f}" for k in keys if k in metrics]
+    for name in ("simulated", "exact"):
+        key = f"{name}_acceptance_length"
+        if key in metrics:
+            out.append(f"{key}={metrics[key]:.3f} [{metrics[key + '_lo']:.3f}, "
+                       f"{metrics[key + '_hi']:.3f}]")  # fmt: skip
+    return " ".join(out)
+
+
 def bootstrap_intervals(
     stats: StepStats, resamples: int = 1000, level: float = 0.95, seed: int = 0
 ) -> dict[str, float]:
