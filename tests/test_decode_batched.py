@@ -6,8 +6,9 @@ import torch
 from conftest import tiny_model
 
 from eagletools.decode.batched import generate_batch
-from eagletools.decode.engine import BaselineDecoder, Sampling
+from eagletools.decode.engine import BaselineDecoder
 from eagletools.decode.model import Transformer
+from eagletools.decode.sampling import Sampling
 
 
 def test_left_padded_batch_equals_one_by_one(family):

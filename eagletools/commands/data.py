@@ -203,7 +203,9 @@ def _regenerate(args: argparse.Namespace) -> int:
         raise UserError("--keep-states needs a local --target: a server returns only text")
     if args.server and args.chat_template:
         raise UserError("--chat-template is for a local --target; a --server renders with its own")
-    sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p, args.seed)
+    sampling = Sampling(
+        args.temperature, top_p=args.top_p, seed=args.seed, max_new_tokens=args.max_new_tokens
+    )
     conversations, report = load_conversations(args.data, args.num_samples, hub_options(args))
     print(report.summary())
     if args.server:

@@ -796,7 +796,9 @@ def regenerated_data(
     if state.is_main_process:
         conversations, report = load_conversations(d.train, d.num_samples, d.hub())
         log.info("%s", report.summary())
-        sampling = Sampling(r.max_new_tokens, r.temperature, 1.0, config.training.seed)
+        sampling = Sampling(
+            r.temperature, seed=config.training.seed, max_new_tokens=r.max_new_tokens
+        )
         set_chat_template(target.tokenizer, d.chat_template)  # the prompts' template, too
         chosen, num_layers = config.target.aux_layer_ids, target.info.num_layers
         layers = resolve_aux_layer_ids(chosen, num_layers) if capture else []
