@@ -222,6 +222,22 @@ def test_sampling_filters():
     assert full[: kept - 1].sum() < 0.8 <= full[:kept].sum()
     with pytest.raises(UserError, match="top-p"):
         Sampling(temperature=1.0, top_p=0.0)
+    with pytest.raises(TypeError):  # regeneration's old order (max_new_tokens first) fails
+        Sampling(512, 0.7, 1.0, 0)
+
+
+def test_another_cache_writer_invalidates_the_decoders_prefix(tokenizer):
+    """No pointer from the runtime to a decoder: a writer takes a new cache version, and a
+    decoder reuses its prefix only while the runtime still holds the version it took."""
+    model = tiny_model("llama", seed=4, vocab_size=V)
+    runtime = Transformer.from_hf(model)
+    spec = SpeculativeDecoder(runtime, repeat_draft(model), tokenizer, 2, 3, 6)
+    turn = list(range(20, 50))
+    first = spec.generate(turn, 8)
+    assert spec.generate(turn, 8).reused_tokens > 0
+    runtime.setup_caches(1, runtime.cache_len)  # same shape: the cache object stays
+    again = spec.generate(turn, 8)
+    assert again.reused_tokens == 0 and again.tokens == first.tokens
 
 
 def test_bad_inputs(tokenizer):

@@ -191,6 +191,7 @@ class BaselineDecoder:
         with device_guard(self.model.device):  # Triton launches go to the current device
             self._reserve(n + max_new_tokens + self.margin)
             reuse = reusable(self.last, prompt, drafted=bool(self.aux_ids))
+            self.last = None  # until the call ends: an interrupted one leaves nothing reusable
             state = Generation(prompt, n, reuse, target_len=n)
             logits, aux = self._prefill(state)
             state = extend(state, [int(choose(logits, sampling, generator))], stopper)
@@ -199,7 +200,7 @@ class BaselineDecoder:
             self.last = state
             seconds = time.perf_counter() - start
         return Result(
-            state.reply, stopper.text, state.stop_reason, n, reuse, seconds, state.accepted
+            state.reply, stopper.text, state.stop_reason, n, reuse, seconds, list(state.accepted)
         )
 
     def _decode(self, state: Generation, aux, stopper: Stopper, sampling, generator):
