@@ -21,6 +21,7 @@ process with eagletools imported from DIR (another commit's checkout:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -82,6 +83,7 @@ def measure(args: argparse.Namespace) -> dict[str, dict]:
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(runtime.args.vocab_size, (args.context,), generator=gen)
     spec.generate(prompt.tolist(), max_new_tokens=2)  # the draft's cache holds the prompt
+    step = functools.partial(spec._draft_step, spec.last.draft_len)  # a `tree.DraftStep`
     k, width = args.topk, draft.config.hidden_size
     tokens = torch.randint(runtime.args.vocab_size, (k,), generator=gen)
     hidden = torch.randn(k, width, generator=gen).to(dtype)
@@ -90,14 +92,12 @@ def measure(args: argparse.Namespace) -> dict[str, dict]:
 
     def tree():
         return grow_tree(
-            spec._draft_step, int(tokens[0]), logits, hidden[0], spec.d2t,
+            step, int(tokens[0]), logits, hidden[0], spec.d2t,
             args.topk, args.depth, args.num_draft_tokens,
         )  # fmt: skip
 
     return {
-        f"draft forward ({k} rows)": timed(
-            lambda: spec._draft_step(1, tokens, hidden, rows), args.repeats
-        ),
+        f"draft forward ({k} rows)": timed(lambda: step(1, tokens, hidden, rows), args.repeats),
         f"grow_tree ({args.topk},{args.depth},{args.num_draft_tokens})": timed(tree, args.repeats),
     }
 

@@ -6,8 +6,9 @@ import torch
 from conftest import tiny_model
 
 from eagletools.decode.batched import generate_batch
-from eagletools.decode.engine import BaselineDecoder, Sampling
+from eagletools.decode.engine import BaselineDecoder
 from eagletools.decode.model import Transformer
+from eagletools.decode.sampling import Sampling
 
 
 def test_left_padded_batch_equals_one_by_one(family):
@@ -22,8 +23,9 @@ def test_left_padded_batch_equals_one_by_one(family):
     assert any(len(e) < 24 for e in expected) and any(len(e) == 24 for e in expected)
     got = generate_batch(runtime, prompts, 24, eos, pad_id=3).tokens
     assert got == expected
-    # the batch-1 decoder takes the (resized) cache back and still agrees
-    assert baseline.generate(prompts[0], 24).tokens == expected[0]
+    # the batch-1 decoder takes the (resized) cache back, reusing nothing, and still agrees
+    again = baseline.generate(prompts[0], 24)
+    assert again.tokens == expected[0] and again.reused_tokens == 0
 
 
 def test_sampled_rows_are_seeded_and_stop_at_max_tokens():

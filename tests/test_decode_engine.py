@@ -6,8 +6,9 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from eagletools.decode.engine import BaselineDecoder, Sampling, SpeculativeDecoder
+from eagletools.decode.engine import BaselineDecoder, SpeculativeDecoder
 from eagletools.decode.model import Transformer
+from eagletools.decode.sampling import Sampling
 from eagletools.draft import Eagle3Draft
 from eagletools.errors import UserError
 
@@ -221,6 +222,22 @@ def test_sampling_filters():
     assert full[: kept - 1].sum() < 0.8 <= full[:kept].sum()
     with pytest.raises(UserError, match="top-p"):
         Sampling(temperature=1.0, top_p=0.0)
+    with pytest.raises(TypeError):  # regeneration's old order (max_new_tokens first) fails
+        Sampling(512, 0.7, 1.0, 0)
+
+
+def test_another_cache_writer_invalidates_the_decoders_prefix(tokenizer):
+    """No pointer from the runtime to a decoder: a writer takes a new cache version, and a
+    decoder reuses its prefix only while the runtime still holds the version it took."""
+    model = tiny_model("llama", seed=4, vocab_size=V)
+    runtime = Transformer.from_hf(model)
+    spec = SpeculativeDecoder(runtime, repeat_draft(model), tokenizer, 2, 3, 6)
+    turn = list(range(20, 50))
+    first = spec.generate(turn, 8)
+    assert spec.generate(turn, 8).reused_tokens > 0
+    runtime.setup_caches(1, runtime.cache_len)  # same shape: the cache object stays
+    again = spec.generate(turn, 8)
+    assert again.reused_tokens == 0 and again.tokens == first.tokens
 
 
 def test_bad_inputs(tokenizer):
@@ -338,7 +355,7 @@ def test_padded_refresh_keeps_the_real_rows():
             Transformer.from_hf(model, dtype=dtype), random_draft(model), None, 4, 5, 16
         )
         spec.generate(list(range(10, 40)), 8)
-        start, rows = spec.draft_len, spec.path_rows
+        start, rows = spec.last.draft_len, spec.path_rows
         aux = torch.randn(rows, 3 * 64, generator=g).to(dtype)
         tokens = torch.randint(0, V, (rows,), generator=g)
         for n in range(1, rows):
@@ -402,7 +419,7 @@ def _full_sort_top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 @pytest.mark.parametrize("scale", [0.1, 1.0, 4.0, 30.0])  # flat (long candidate sort) to peaked
 @pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 0.999])
 def test_top_p_without_a_full_sort_equals_the_full_sort(scale, top_p):
-    from eagletools.decode.engine import nucleus_floor
+    from eagletools.decode.sampling import nucleus_floor
 
     g = torch.Generator().manual_seed(int(scale * 10))
     logits = (torch.randn(12, 49152, generator=g) * scale).bfloat16().float()  # bf16: many ties
@@ -415,7 +432,7 @@ def test_top_p_without_a_full_sort_equals_the_full_sort(scale, top_p):
 
 
 def _streamed_by_full_decodes(tokenizer, steps, stop_strings):
-    """The reference: decode every token so far at every step (what `_Stopper` did)."""
+    """The reference: decode every token so far at every step (what `Stopper` did)."""
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
     tokens, chunks, streamed, hold = [], [], 0, max(map(len, stop_strings), default=1) - 1
     for step in steps:
@@ -436,7 +453,7 @@ def _streamed_by_full_decodes(tokenizer, steps, stop_strings):
 
 @pytest.mark.parametrize("name", ["byt5", "smollm2"])
 def test_incremental_text_streams_what_full_decodes_stream(name, tokenizer):
-    from eagletools.decode.engine import _Stopper
+    from eagletools.decode.stopping import Stopper
 
     if name == "smollm2":
         from eagletools.target import load_tokenizer
@@ -449,12 +466,15 @@ def test_incremental_text_streams_what_full_decodes_stream(name, tokenizer):
     cuts = torch.randint(1, 6, (len(ids),), generator=g).cumsum(0).tolist()
     steps = [ids[a:b] for a, b in zip([0, *cuts], cuts, strict=False) if a < len(ids)]
     for stop_strings in ([], ["Hello ,w"], ["ö"], ["x ** 2 ⚡"]):
-        stopper = _Stopper(
+        stopper = Stopper(
             tokenizer, set(), len(ids) + 1, stop_strings, on_text=(chunks := []).append
         )
+        seq, kept = [], 0
         for step in steps:
-            if stopper.add(step):
+            seq += step
+            kept, reason = stopper.check(seq, kept)
+            if reason:
                 break
         else:
-            stopper.give_up("context")
+            stopper.emit("context")
         assert (chunks, stopper.text) == _streamed_by_full_decodes(tokenizer, steps, stop_strings)

@@ -196,7 +196,7 @@ def _register_regenerate(sub: argparse._SubParsersAction) -> None:
 
 def _regenerate(args: argparse.Namespace) -> int:
     from eagletools.data.jobs import RegenerateJob
-    from eagletools.data.regenerate import Sampling
+    from eagletools.decode.sampling import Sampling
     from eagletools.errors import UserError
 
     if bool(args.target) == bool(args.server):
@@ -209,7 +209,8 @@ def _regenerate(args: argparse.Namespace) -> int:
         raise UserError(f"--max-turns must be at least 1, got {args.max_turns}")
     job = RegenerateJob(
         _data_source(args), Path(args.output),
-        Sampling(args.max_new_tokens, args.temperature, args.top_p, args.seed),
+        Sampling(args.temperature, top_p=args.top_p, seed=args.seed,
+                 max_new_tokens=args.max_new_tokens),
         target=args.target, chat_template=args.chat_template, server=args.server,
         model=args.model, batch_size=args.batch_size, chunk_size=args.chunk_size,
         max_turns=args.max_turns, max_prompt_tokens=args.max_prompt_tokens,

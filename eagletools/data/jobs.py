@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 
 from eagletools.data.chat import read_chat_template
 from eagletools.data.conversations import HubOptions
-from eagletools.data.regenerate import Sampling
+from eagletools.decode.sampling import Sampling
 from eagletools.stages import Stage
 
 log = logging.getLogger(__name__)

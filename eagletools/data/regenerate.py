@@ -29,6 +29,7 @@ from eagletools.atomic import atomic_file, write_text
 from eagletools.data.captures import Captured, write_captures
 from eagletools.data.chat import chat_ids, require_chat_template
 from eagletools.data.conversations import Conversation
+from eagletools.decode.sampling import Sampling
 from eagletools.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -50,14 +51,6 @@ Generate = Callable[[list[Chat]], list[Reply | None]]
 class Regenerated:
     chat: Chat
     last: Reply  # the reply to the last user turn: its capture spans the whole conversation
-
-
-@dataclass
-class Sampling:
-    max_new_tokens: int = 512
-    temperature: float = 0.0  # 0: greedy
-    top_p: float = 1.0
-    seed: int = 0
 
 
 def segments(conversation: Conversation) -> list[Chat]:
@@ -178,15 +171,13 @@ def _runtime_generator(
     import torch
 
     from eagletools.decode.batched import generate_batch
-    from eagletools.decode.engine import Sampling as DecodeSampling
-    from eagletools.decode.engine import eos_token_ids
     from eagletools.decode.model import Transformer
+    from eagletools.decode.stopping import eos_token_ids
 
     tokenizer = target.tokenizer
     runtime = Transformer.from_hf(target.model)
     runtime.set_exact(False)  # replies need not match one-by-one decoding bit for bit: speed
     eos = eos_token_ids(tokenizer)
-    decode_sampling = DecodeSampling(temperature=sampling.temperature, top_p=sampling.top_p)
     layers = tuple(capture_layer_ids)
     state_layers = (*layers, runtime.args.n_layers) if layers else ()  # the final norm's last
 
@@ -201,7 +192,7 @@ def _runtime_generator(
             rows = order[start : (b + 1) * len(order) // n_batches]
             generator = torch.Generator(runtime.device).manual_seed(sampling.seed + start)
             out = generate_batch(runtime, [ids[i] for i in rows], sampling.max_new_tokens, eos,
-                                 decode_sampling, pad_id, generator, state_layers)  # fmt: skip
+                                 sampling, pad_id, generator, state_layers)  # fmt: skip
             for k, (i, tokens) in enumerate(zip(rows, out.tokens, strict=True)):
                 captured = None
                 if out.states is not None:

@@ -1,6 +1,7 @@
 """Our own decoding runtime: static-cache target, EAGLE-2 trees, speculative and plain decoders."""
 
-from eagletools.decode.engine import BaselineDecoder, Result, Sampling, SpeculativeDecoder
+from eagletools.decode.engine import BaselineDecoder, Result, SpeculativeDecoder
 from eagletools.decode.model import Transformer
+from eagletools.decode.sampling import Sampling
 
 __all__ = ["BaselineDecoder", "Result", "Sampling", "SpeculativeDecoder", "Transformer"]

@@ -18,11 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from eagletools.cpu_ops import argmax
-from eagletools.decode.engine import Sampling
 from eagletools.decode.model import Transformer
-
-GREEDY = Sampling()
+from eagletools.decode.sampling import GREEDY, Sampling, choose
 
 
 @dataclass
@@ -51,8 +48,7 @@ def generate_batch(
     device = model.device
     b, width = len(prompts), max(len(p) for p in prompts)
     total = width + max_new_tokens
-    model.setup_caches(b, total)
-    model.cache_owner = None  # a batch-1 decoder must reallocate and prefill again
+    model.setup_caches(b, total)  # a batch-1 decoder must prefill again (a new cache version)
     ids = torch.full((b, width), pad_id, dtype=torch.long, device=device)
     key_mask = torch.ones(b, total, dtype=torch.bool, device=device)
     for row, prompt in enumerate(prompts):
@@ -65,11 +61,7 @@ def generate_batch(
     steps: list[torch.Tensor] = []
     done = torch.zeros(b, dtype=torch.bool, device=device)
     for step in range(max_new_tokens):
-        last = logits[:, -1]
-        if sampling.greedy:
-            tokens = argmax(last)
-        else:
-            tokens = torch.multinomial(sampling.probs(last), 1, generator=generator)[:, 0]
+        tokens = choose(logits[:, -1], sampling, generator)
         steps.append(tokens)
         done |= torch.isin(tokens, eos)
         if bool(done.all()) or step == max_new_tokens - 1:

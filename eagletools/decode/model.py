@@ -326,7 +326,9 @@ class Transformer(nn.Module):
             args.head_dim, args.rope_theta, args.rope_scaling, args.max_position_embeddings
         )
         self.kv_cache: KVCache | None = None
-        self.cache_owner = None  # the decoder whose tokens the KV cache holds
+        # bumped by each new writer of the KV cache (`claim_cache`): a decoder that finds
+        # the number it took there finds its own tokens in the cache
+        self.cache_version = 0
 
     @classmethod
     @torch.no_grad()
@@ -426,7 +428,9 @@ class Transformer(nn.Module):
         return 0 if self.kv_cache is None else self.kv_cache.size
 
     def setup_caches(self, batch: int, max_len: int) -> None:
-        """Empty K/V for `max_len` slots (at most the context) of `batch` rows."""
+        """Empty K/V for `max_len` slots (at most the context) of `batch` rows; what a
+        decoder had cached is gone (a new version, `claim_cache`)."""
+        self.claim_cache()
         max_len = min(max_len, self.args.max_seq_len)
         cache = self.kv_cache
         if cache is not None and cache.size == max_len and cache.batch == batch:
@@ -435,7 +439,11 @@ class Transformer(nn.Module):
         self.kv_cache = KVCache.allocate(
             a.n_layers, batch, a.n_kv_heads, max_len, a.head_dim, self.cache_dtypes(), self.device
         )
-        self.cache_owner = None
+
+    def claim_cache(self) -> int:
+        """A new version of the KV cache's contents, for a writer about to change them."""
+        self.cache_version += 1
+        return self.cache_version
 
     def reserve(self, length: int, limit: int | None = None) -> None:
         """A batch-1 cache of at least `length` slots (`cache_size`'s rule, at most

@@ -64,13 +64,13 @@ def load_teacher(config: TrainConfig) -> Any:
 def regeneration_job(config: TrainConfig, output: Path) -> RegenerateJob:
     """data.regenerate: the target's own replies to data.train's prompts; with data.offline
     the states the cache needs are kept on the way (`data.captures`)."""
-    from eagletools.data.regenerate import Sampling
+    from eagletools.decode.sampling import Sampling
     from eagletools.dtypes import dtype_name
 
     d, r = config.data, config.data.regenerate
     return RegenerateJob(
         DataSource(d.train, d.num_samples, d.hub()), output,
-        Sampling(r.max_new_tokens, r.temperature, 1.0, config.training.seed),
+        Sampling(r.temperature, seed=config.training.seed, max_new_tokens=r.max_new_tokens),
         target=config.target.spec, dtype=dtype_name(str(teacher_dtype(config))),
         chat_template=d.chat_template, batch_size=r.batch_size, chunk_size=4 * r.batch_size,
         max_turns=r.max_turns, max_prompt_tokens=r.max_prompt_tokens, keep_states=d.offline,
