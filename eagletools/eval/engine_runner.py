@@ -94,17 +94,26 @@ def launch_args(s: Settings, engine: Engine) -> tuple[dict, str | None]:
     return args, draft
 
 
-def engine_methods(s: Settings, engine: Engine, log_dir: str | Path) -> list[list[Method]]:
-    """The engine's plain server, then (with a draft) its server with the draft: one
-    group each, since a server started with a draft cannot decode plainly."""
+def engine_methods(
+    s: Settings,
+    engine: Engine,
+    log_dir: str | Path,
+    keys: tuple[str, str] = ("baseline", "speculative"),
+) -> list[list[Method]]:
+    """The engine's plain server, then (with a draft) its server with the draft, under
+    `keys`: one group each, since a server started with a draft cannot decode plainly."""
     args, draft = launch_args(s, engine)
-    plain = EngineServer("baseline", engine, args | {"draft": None}, s.max_new_tokens, log_dir,
-                         s.engine_port, s.engine_timeout)  # fmt: skip
-    if not draft:
-        return [[plain]]
-    spec = EngineServer("speculative", engine, args | {"draft": draft}, s.max_new_tokens,
-                        log_dir, s.engine_port, s.engine_timeout, reference="baseline")  # fmt: skip
-    return [[plain], [spec]]
+    plain, spec = keys
+    groups: list[list[Method]] = [
+        [EngineServer(plain, engine, args | {"draft": None}, s.max_new_tokens, log_dir,
+                      s.engine_port, s.engine_timeout)],
+    ]  # fmt: skip
+    if draft:
+        groups.append(
+            [EngineServer(spec, engine, args | {"draft": draft}, s.max_new_tokens, log_dir,
+                          s.engine_port, s.engine_timeout, reference=plain)]
+        )  # fmt: skip
+    return groups
 
 
 def run_engine_eval(

@@ -21,12 +21,7 @@ from eagletools.data.chat import chat_ids
 from eagletools.engines import Counters
 from eagletools.eval.benchmarks import Question
 from eagletools.eval.methods import Method
-
-# record fields of a method's greedy match with its reference, as results.json has them
-MATCH_FIELDS = {
-    "speculative": ("greedy_match", "baseline_difference"),
-    "baseline": ("hf_match", "hf_difference"),
-}
+from eagletools.eval.metrics import match_fields, summarize
 
 
 @dataclass
@@ -51,8 +46,8 @@ class Run:
             out["accepted"] = self.accepted
         if self.counters is not None:
             out["acceptance"] = asdict(self.counters)
-        if self.engine_tokens_per_s:
-            out["engine_tokens_per_s"] = sum(self.engine_tokens_per_s) / len(self.engine_tokens_per_s)
+        if readings := self.engine_tokens_per_s:
+            out["engine_tokens_per_s"] = sum(readings) / len(readings)
         return out
 
 
@@ -184,7 +179,7 @@ def record(question: Question, runs: dict[str, Run], methods: Sequence[Method]) 
     for m in methods:
         if m.reference is None:
             continue
-        match, where = MATCH_FIELDS.get(m.key, (f"{m.key} match", f"{m.key} difference"))
+        match, where = match_fields(m.key)
         diff = first_difference(runs[m.key].tokens, runs[m.reference].tokens)
         out[match] = diff is None
         if diff is not None:
@@ -201,8 +196,6 @@ def build_results(
     **extra,
 ) -> dict:
     """The results dict written as results.json (schema in eval.report)."""
-    from eagletools.eval.metrics import summarize
-
     records = [
         record(q, {k: runs[i] for k, runs in measured.runs.items()}, methods)
         for i, q in enumerate(questions)

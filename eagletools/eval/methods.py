@@ -48,8 +48,10 @@ class Decoder(Method):
     """Our `BaselineDecoder` or `SpeculativeDecoder`; a speculative one counts accepted drafts."""
 
     def __init__(self, key, decoder, max_new_tokens, sampling=None, generator=None, reference=None):
+        from eagletools.decode import Sampling
+
         super().__init__(key, max_new_tokens, reference)
-        self.decoder, self.sampling, self.generator = decoder, sampling, generator
+        self.decoder, self.sampling, self.generator = decoder, sampling or Sampling(), generator
 
     def reset(self) -> None:
         self.decoder.reset()

@@ -13,6 +13,17 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 
+# record fields of a method's greedy match with its reference, as results.json has them
+MATCH_FIELDS = {
+    "speculative": ("greedy_match", "baseline_difference"),
+    "baseline": ("hf_match", "hf_difference"),
+}
+
+
+def match_fields(key: str) -> tuple[str, str]:
+    """(record field: equal to its reference, record field: where they first differ)."""
+    return MATCH_FIELDS.get(key, (f"{key} match", f"{key} difference"))
+
 
 def acceptance(accepted: list[int], depth: int) -> tuple[float, list[float]]:
     """(tau, rate[i] = share of verify steps that accepted at least i+1 drafts)."""
@@ -53,7 +64,7 @@ def total_counts(records: list[dict], depth: int, key: str = "speculative") -> d
     return total
 
 
-def _throughput(records: list[dict], key: str) -> dict | None:
+def throughput(records: list[dict], key: str) -> dict | None:
     runs = [r[key] for r in records if key in r]
     if not runs:
         return None
@@ -62,7 +73,7 @@ def _throughput(records: list[dict], key: str) -> dict | None:
     return {"total": tokens / seconds if seconds else 0.0, "tokens": tokens, "seconds": seconds}
 
 
-def _speedup(records: list[dict], fast: str, slow: str) -> dict | None:
+def speedups(records: list[dict], fast: str, slow: str) -> dict | None:
     pairs = [(r[fast], r[slow]) for r in records if fast in r and slow in r]
     if not pairs:
         return None
@@ -90,13 +101,13 @@ def summarize(records: list[dict], depth: int, by_category: bool = True) -> dict
     total = total_counts(records, depth)
     accepted = total["steps"] > 0
     tau, per_position = rates(total, depth)
-    throughput = {
-        name: _throughput(records, name) for name in ("baseline", "speculative", "hf_generate")
+    totals = {
+        name: throughput(records, name) for name in ("baseline", "speculative", "hf_generate")
     }
     speedup = {
-        "vs_baseline": _speedup(records, "speculative", "baseline"),
-        "vs_hf_generate": _speedup(records, "speculative", "hf_generate"),
-        "baseline_vs_hf_generate": _speedup(records, "baseline", "hf_generate"),
+        "vs_baseline": speedups(records, "speculative", "baseline"),
+        "vs_hf_generate": speedups(records, "speculative", "hf_generate"),
+        "baseline_vs_hf_generate": speedups(records, "baseline", "hf_generate"),
     }
     vs_base = speedup["vs_baseline"]
     summary = {
@@ -104,8 +115,8 @@ def summarize(records: list[dict], depth: int, by_category: bool = True) -> dict
         "tau": tau if accepted else None,
         "per_position_acceptance": per_position if accepted else None,
         "verify_steps": total["steps"],
-        "tokens_per_s": {k: v and v["total"] for k, v in throughput.items()},
-        "new_tokens": {k: v and v["tokens"] for k, v in throughput.items()},
+        "tokens_per_s": {k: v and v["total"] for k, v in totals.items()},
+        "new_tokens": {k: v and v["tokens"] for k, v in totals.items()},
         "speedup": speedup,
         # share of the ideal speedup tau that the decoder's overhead leaves
         "efficiency": headline(vs_base) / tau if vs_base and accepted else None,
@@ -120,3 +131,18 @@ def summarize(records: list[dict], depth: int, by_category: bool = True) -> dict
             name: summarize(rs, depth, by_category=False) for name, rs in sorted(categories.items())
         }
     return summary
+
+
+def method_figures(records: list[dict], key: str, hf: str, baseline: str, depth: int) -> dict:
+    """One method's row in a side-by-side comparison (benchmarks/compare.py)."""
+    total = total_counts(records, depth, key)
+    flags = [r[field] for r in records if (field := match_fields(key)[0]) in r]
+    return {
+        "name": key,
+        "prompts": len(records),
+        "tokens_per_s": throughput(records, key)["total"],
+        "speedup": headline(speedups(records, key, hf)),
+        "vs_baseline": headline(speedups(records, key, baseline)),
+        "tau": rates(total, depth)[0] if total["steps"] else None,
+        "plain_matches": sum(flags) if flags else None,
+    }

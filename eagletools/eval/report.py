@@ -295,3 +295,39 @@ def pipeline_markdown(summary: dict[str, Any]) -> str:
             "",
         ]
     )
+
+
+def methods_markdown(rows: list[dict], notes: list[str], header: dict, machine: dict) -> str:
+    """benchmarks/compare.py's table: every method's figures (eval.metrics.method_figures)."""
+    lines = [
+        "# Results: eagletools against Hugging Face decoders",
+        "",
+        f"Measured {header['date']} on {machine['processor']}, {machine['cpu_count']} cores, "
+        f"torch {machine['torch']} with `benchmarks/compare.py` ({header['prompts']} MT-bench "
+        f"first turns, {header['max_new_tokens']} new tokens, greedy, {header['dtype']}, target "
+        f"`{header['target']}`, draft `{header['draft']}`, load average "
+        f"{machine['load_average_at_start']} at start, {machine['load_average_at_end']} at end).",
+        *load_warning(machine),
+        "",
+        "| method | tokens/s | speedup vs HF generate | speedup vs eagletools baseline | tau "
+        "| output equals HF generate | output equals its runtime's plain decoding |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        plain = "n/a" if r["plain_matches"] is None else f"{r['plain_matches']}/{r['prompts']}"
+        lines.append(
+            f"| {r['name']} | {_fmt(r['tokens_per_s'], 1)} | {_fmt(r['speedup'])}x "
+            f"| {_fmt(r['vs_baseline'])}x | {_fmt(r['tau'])} | {r['matches']}/{r['prompts']} "
+            f"| {plain} |"
+        )
+    notes = [
+        "tokens/s and speedups: total tokens over total seconds; tau: tokens per verify step "
+        "(1 + drafts accepted), for the methods that draft and count it.",
+        "In bf16 each runtime rounds its own way, so outputs of different runtimes differ "
+        "(HF's own prompt lookup from HF generate too). What a draft must not change is its "
+        "runtime's plain output: our speculative rows against our baseline (batch-invariant "
+        "attention), each engine's drafted row against its plain row. Equality with HF generate "
+        "is checked in fp32 (tests, and `eagletools eval --dtype float32 --hf-baseline`).",
+        *notes,
+    ]
+    return "\n".join([*lines, "", *(f"- {n}" for n in notes), ""])

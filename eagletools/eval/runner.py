@@ -226,7 +226,7 @@ def run_eval(
         if decoders.speculative is None:
             raise UserError("--autotune needs --draft: it searches the speculative tree shape")
         tuned = autotune(decoders, s, questions)
-    _reserve(decoders, s, questions)
+    reserve(decoders, s, questions)
     generator = torch.Generator(device=s.device).manual_seed(s.seed)
     timed = methods(decoders, s, generator)
     tokenizer = decoders.target.tokenizer
@@ -241,7 +241,7 @@ def run_eval(
     return results
 
 
-def _reserve(decoders: Decoders, s: Settings, questions: list[Question]) -> None:
+def reserve(decoders: Decoders, s: Settings, questions: list[Question]) -> None:
     """A KV cache for the longest conversation, so no allocation is timed: a compiled step
     (`--compile`) and a captured CUDA graph are made again for every cache allocation."""
     tokenizer = decoders.target.tokenizer
