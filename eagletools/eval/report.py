@@ -250,14 +250,20 @@ def pipeline_lines(summary: dict[str, Any]) -> list[str]:
         f"training simulated acceptance length: {_fmt(summary['simulated_acceptance_length'])}",
     ]
     for bench, b in summary["benchmarks"].items():
-        speedup = b["speedup"] or {}
+        tau, vs_base, vs_hf, match = _bench_figures(b)
         lines.append(
-            f"{bench}: tau {_fmt(b['tau'])}, speedup x{_fmt(headline(speedup.get('vs_baseline')))} "
-            f"over our baseline, x{_fmt(headline(speedup.get('vs_hf_generate')))} over "
-            f"Hugging Face generate, greedy match {_fmt(b['greedy_match_rate'])}"
+            f"{bench}: tau {tau}, speedup x{vs_base} over our baseline, x{vs_hf} over "
+            f"Hugging Face generate, greedy match {match}"
         )
     lines.append(f"report: {summary['report']}")
     return lines
+
+
+def _bench_figures(b: dict[str, Any]) -> list[str]:
+    """A benchmark's tau, headline speedups over our baseline and HF generate, greedy match."""
+    speedup = b["speedup"] or {}
+    return [_fmt(b["tau"]), _fmt(headline(speedup.get("vs_baseline"))),
+            _fmt(headline(speedup.get("vs_hf_generate"))), _fmt(b["greedy_match_rate"])]  # fmt: skip
 
 
 def pipeline_markdown(summary: dict[str, Any]) -> str:
@@ -267,12 +273,8 @@ def pipeline_markdown(summary: dict[str, Any]) -> str:
         "|---|---|---|---|---|",
     ]
     for bench, b in summary["benchmarks"].items():
-        speedup = b["speedup"] or {}
         rows.append(
-            f"| [{bench}](eval/{bench}/results.md) | {_fmt(b['tau'])} "
-            f"| {_fmt(headline(speedup.get('vs_baseline')))} "
-            f"| {_fmt(headline(speedup.get('vs_hf_generate')))} "
-            f"| {_fmt(b['greedy_match_rate'])} |"
+            f"| [{bench}](eval/{bench}/results.md) | " + " | ".join(_bench_figures(b)) + " |"
         )
     acc = ", ".join(_fmt(a) for a in summary["acc"] or [])
     return "\n".join(
