@@ -160,8 +160,8 @@ def _logit_gap(target, question: Question, ours: Run, hf: Run, where: dict) -> d
 
 
 def methods(decoders: Decoders, s: Settings, generator: torch.Generator) -> list[Method]:
-    """Our baseline, our speculative decoder and HF generate, as `s` asks; with greedy
-    decoding each must equal the next one's outputs."""
+    """Our baseline, our speculative decoder and HF generate, as `s` asks. With greedy
+    decoding the speculative decoder must equal the baseline, and the baseline HF."""
     greedy = s.sampling.greedy
     out: list[Method] = [
         Decoder("baseline", decoders.baseline, s.max_new_tokens, s.sampling, generator,
