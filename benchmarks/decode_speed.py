@@ -1,7 +1,8 @@
 """Decoding speed side by side, in one run: HF generate, our baseline, our speculative decoder.
 
 Each MT-bench first turn goes through the three in turn (greedy), so machine
-load hits all of them alike; the figures are medians of per-prompt ratios.
+load hits all of them alike; the figures are those of `eagletools eval`'s
+summary (eval.metrics): total tokens over total seconds, tau over every step.
 Issue 5 targets (SmolLM2-135M, bf16, CPU): baseline / HF generate >= 1.2;
 efficiency = (speculative / baseline tokens/s) / tau >= 0.6 at the autotuned
 shape; with a trained draft, speculative >= 1.5x baseline and >= 1.8x HF.
@@ -15,40 +16,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 from eagletools.atomic import write_text
 from eagletools.dtypes import dtype_arg
 from eagletools.eval.benchmarks import load_benchmark
+from eagletools.eval.report import load_warning
 from eagletools.eval.runner import Settings, run_eval
 
 
-def medians(records: list[dict]) -> dict:
-    def median(values):
-        values = [v for v in values if v is not None]
-        return statistics.median(values) if values else None
-
-    def ratio(r, a, b):
-        return r[a]["tokens_per_s"] / r[b]["tokens_per_s"] if a in r and b in r else None
-
-    def tau(r):
-        acc = r.get("speculative", {}).get("accepted")
-        return 1 + sum(acc) / len(acc) if acc else None
-
+def figures(summary: dict) -> dict:
+    """The issue 5 figures, from a run's summary."""
+    speedup = summary["speedup"]
     return {
-        "tokens_per_s": {
-            k: median(r[k]["tokens_per_s"] for r in records if k in r)
-            for k in ("hf_generate", "baseline", "speculative")
-        },
-        "baseline_vs_hf_generate": median(ratio(r, "baseline", "hf_generate") for r in records),
-        "speculative_vs_baseline": median(ratio(r, "speculative", "baseline") for r in records),
-        "speculative_vs_hf_generate": median(
-            ratio(r, "speculative", "hf_generate") for r in records
-        ),
-        "tau": median(tau(r) for r in records),
-        "efficiency": median(
-            ratio(r, "speculative", "baseline") / tau(r) if tau(r) else None for r in records
-        ),
+        "tokens_per_s": summary["tokens_per_s"],
+        "baseline_vs_hf_generate": speedup["baseline_vs_hf_generate"],
+        "speculative_vs_baseline": speedup["vs_baseline"],
+        "speculative_vs_hf_generate": speedup["vs_hf_generate"],
+        "tau": summary["tau"],
+        "efficiency": summary["efficiency"],
     }
 
 
@@ -83,12 +68,11 @@ def main() -> None:
         autotune=args.autotune,
     )
     results = run_eval(s, questions)
-    figures = medians(results["per_prompt"])
     print(json.dumps({"settings": results["settings"], "machine": results["machine"]}, indent=1))
-    print(json.dumps(figures, indent=1))
+    print(json.dumps(figures(results["summary"]), indent=1))
     print(json.dumps({"bandwidth": results["bandwidth"]}, indent=1))
+    print("\n".join(load_warning(results["machine"])))
     if args.output:
-        results["medians"] = figures
         write_text(args.output, json.dumps(results, indent=2) + "\n")
 
 

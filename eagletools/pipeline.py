@@ -25,6 +25,7 @@ from typing import Any
 from eagletools.atomic import write_text
 from eagletools.devices import resolve_device
 from eagletools.eval.benchmarks import Question
+from eagletools.eval.report import pipeline_markdown
 from eagletools.stages import Stage, run_stages
 from eagletools.train.recipe import TrainConfig
 
@@ -53,6 +54,15 @@ def _questions(bench: str, n: int) -> list[Question]:
     return load_benchmark(bench, n)
 
 
+# the draft formats every run writes; an engine's stages add the one it loads
+ALWAYS = ("eagle", "speculators")
+
+
+def draft_path(out: Path, fmt: str) -> Path:
+    """Where the run folder keeps the draft in `fmt`: a folder named for it, or draft.gguf."""
+    return out / ("draft.gguf" if fmt == "gguf" else fmt)
+
+
 def bench_name(bench: str) -> str:
     """A folder name for a benchmark: built-in names as they are, files by their stem."""
     return Path(bench).stem if Path(bench).suffix else bench
@@ -75,40 +85,23 @@ def stages(config: TrainConfig, out: Path) -> list[Stage]:
         run_training(config, train_dir, resume=resume)
 
     def to_format(fmt: str) -> Callable[[], Any]:
-        return lambda: convert(train_dir / "final", out / fmt, fmt, target=target, log=log.info)
+        return lambda: convert(
+            train_dir / "final", draft_path(out, fmt), fmt, target=target, log=log.info
+        )  # fmt: skip
 
     def evaluate(bench: str) -> Callable[[], Any]:
         def run() -> None:
             from eagletools.eval.report import write_report
-            from eagletools.eval.runner import Settings, run_eval
+            from eagletools.eval.runner import run_eval
 
-            e = config.eval
-            settings = Settings(
-                target=target,
-                draft=str(out / "eagle"),
-                bench=bench,
-                num_prompts=e.num_prompts,
-                max_new_tokens=e.max_new_tokens,
-                topk=e.topk,
-                depth=e.depth,
-                num_draft_tokens=e.num_draft_tokens,
-                autotune=e.autotune,
-                hf_baseline=e.hf_baseline,
-                compile=e.compile,
-                dtype=config.target.dtype,
-                threads=config.training.num_threads,
-                device=device,
-                chat_template=config.data.chat_template,
-            )
-            results = run_eval(settings, questions[bench])
-            write_report(results, out / "eval" / bench_name(bench))
+            settings = eval_settings(config, device, bench, draft_path(out, "eagle"))
+            write_report(run_eval(settings, questions[bench]), out / "eval" / bench_name(bench))
 
         return run
 
     return [
         Stage("train", train_dir / "metrics.json", train),
-        Stage("convert eagle", out / "eagle", to_format("eagle")),
-        Stage("convert speculators", out / "speculators", to_format("speculators")),
+        *(Stage(f"convert {fmt}", draft_path(out, fmt), to_format(fmt)) for fmt in ALWAYS),
         *(
             Stage(f"eval {b}", out / "eval" / bench_name(b) / "results.json", evaluate(b))
             for b in questions
@@ -135,32 +128,43 @@ def installed_engines(config: TrainConfig) -> list[str]:
     return found
 
 
+def eval_settings(config: TrainConfig, device: str, bench: str, draft: Path, **fields):
+    """The recipe's eval section as eval `Settings`, for every eval stage."""
+    from eagletools.eval.runner import Settings
+
+    return Settings.of(
+        config.eval, target=config.target.spec, draft=str(draft), bench=bench,
+        dtype=config.target.dtype, threads=config.training.num_threads, device=device,
+        chat_template=config.data.chat_template, **fields,
+    )  # fmt: skip
+
+
 def engine_stages(
     config: TrainConfig, out: Path, questions: dict[str, list[Question]], device: str
 ) -> list[Stage]:
-    """The first benchmark in each installed engine, and in ours with the engines' chain."""
+    """The first benchmark in each installed engine, and in ours with the engines' chain;
+    each engine gets the draft in the first format it states it loads."""
     engines = installed_engines(config)
     if not engines or not questions:
         return []
+    from eagletools.engines import ENGINES
     from eagletools.formats.convert import convert
 
     bench = next(iter(questions))
-    drafts = {"vllm": out / "speculators", "llama.cpp": out / "draft.gguf", "ours": out / "eagle"}
+    formats = {"ours": "eagle"} | {name: ENGINES[name].draft_formats[0] for name in engines}
+    depth = config.eval.engine_depth
 
     def evaluate(engine: str) -> Callable[[], Any]:
         def run() -> None:
             from eagletools.eval.engine_runner import run_engine_eval
             from eagletools.eval.report import write_report
-            from eagletools.eval.runner import Settings, run_eval
+            from eagletools.eval.runner import run_eval
 
-            e = config.eval
             folder = out / "engines" / ("ours-chain" if engine == "ours" else engine)
-            s = Settings(
-                target=config.target.spec, draft=str(drafts[engine]), bench=bench,
-                num_prompts=e.num_prompts, max_new_tokens=e.max_new_tokens, topk=1,
-                depth=e.engine_depth, num_draft_tokens=e.engine_depth + 1,
-                dtype=config.target.dtype, threads=config.training.num_threads,
-                device=device, chat_template=config.data.chat_template, engine=engine,
+            s = eval_settings(
+                config, device, bench, draft_path(out, formats[engine]), engine=engine, topk=1,
+                depth=depth, num_draft_tokens=depth + 1, autotune=False, hf_baseline=False,
+                compile=False,
             )  # fmt: skip
             if engine == "ours":
                 results = run_eval(s, questions[bench])
@@ -170,12 +174,17 @@ def engine_stages(
 
         return run
 
-    gguf = lambda: convert(  # noqa: E731  (the draft in the dtype the target runs in)
-        out / "train" / "final", drafts["llama.cpp"], "gguf", target=config.target.spec,
-        dtype=config.target.dtype, log=log.info,
-    )  # fmt: skip
+    def to_format(fmt: str) -> Callable[[], Any]:  # the draft in the dtype the target runs in
+        return lambda: convert(
+            out / "train" / "final", draft_path(out, fmt), fmt, target=config.target.spec,
+            dtype=config.target.dtype, log=log.info,
+        )  # fmt: skip
+
     return [
-        *([Stage("convert gguf", drafts["llama.cpp"], gguf)] if "llama.cpp" in engines else []),
+        *(
+            Stage(f"convert {fmt}", draft_path(out, fmt), to_format(fmt))
+            for fmt in sorted(set(formats.values()) - set(ALWAYS))
+        ),
         *(
             Stage(f"{bench} in {name}", out / "engines" / folder / "results.json", evaluate(name))
             for name, folder in [("ours", "ours-chain"), *((n, n) for n in engines)]
@@ -195,7 +204,7 @@ def run_pipeline(config: TrainConfig, output_dir: str | Path) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     run_stages(stages(config, out), progress="pipeline")
     summary = summarize(config, out)
-    write_text(out / "report.md", report_markdown(summary))
+    write_text(out / "report.md", pipeline_markdown(summary))
     write_text(out / "summary.json", json.dumps(summary, indent=2))
     return summary
 
@@ -249,85 +258,3 @@ def _engine_rows(out: Path) -> list[dict[str, Any]]:
             "report": str(path.with_name("results.md")),
         })  # fmt: skip
     return rows
-
-
-def engine_table(rows: list[dict[str, Any]]) -> list[str]:
-    """Markdown: each engine with and without the draft; a draft that slows one is said so."""
-    if not rows:
-        return []
-    lines = [
-        "| engine | chain | tok/s without draft | tok/s with draft | speedup | acceptance length "
-        "| per position | greedy match |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        per = ", ".join(_fmt(a) for a in r["per_position_acceptance"] or [])
-        tps = r["tokens_per_s"]
-        lines.append(
-            f"| {r['engine']} | {r['depth']} | {_fmt(tps['baseline'], 1)} "
-            f"| {_fmt(tps['speculative'], 1)} | {_fmt(r['speedup'])} | {_fmt(r['tau'])} "
-            f"| {per} | {_fmt(r['greedy_match_rate'])} |"
-        )
-    slower = [r["engine"] for r in rows if r["speedup"] is not None and r["speedup"] < 1]
-    if slower:
-        lines += ["", f"**The draft makes {', '.join(slower)} slower than plain decoding here.**"]
-    return lines
-
-
-def _fmt(value: Any, digits: int = 2) -> str:
-    return "n/a" if value is None else f"{value:.{digits}f}"
-
-
-def _mean_ratio(speedup: dict | None, key: str) -> float | None:
-    entry = (speedup or {}).get(key)
-    return entry.get("mean_of_ratios") if isinstance(entry, dict) else entry
-
-
-def headline(summary: dict[str, Any]) -> list[str]:
-    """The lines `eagletools pipeline` prints at the end."""
-    lines = [
-        f"vocabulary coverage: {_fmt(summary['vocab_coverage'], 4)} "
-        f"(draft vocab {summary['draft_vocab_size']})",
-        f"training simulated acceptance length: {_fmt(summary['simulated_acceptance_length'])}",
-    ]
-    for bench, b in summary["benchmarks"].items():
-        lines.append(
-            f"{bench}: tau {_fmt(b['tau'])}, speedup x{_fmt(_mean_ratio(b['speedup'], 'vs_baseline'))} "
-            f"over our baseline, x{_fmt(_mean_ratio(b['speedup'], 'vs_hf_generate'))} over "
-            f"Hugging Face generate, greedy match {_fmt(b['greedy_match_rate'])}"
-        )
-    lines.append(f"report: {summary['report']}")
-    return lines
-
-
-def report_markdown(summary: dict[str, Any]) -> str:
-    rows = [
-        "| benchmark | tau | speedup vs our baseline | speedup vs HF generate | greedy match |",
-        "|---|---|---|---|---|",
-    ]
-    for bench, b in summary["benchmarks"].items():
-        rows.append(
-            f"| [{bench}](eval/{bench}/results.md) | {_fmt(b['tau'])} "
-            f"| {_fmt(_mean_ratio(b['speedup'], 'vs_baseline'))} "
-            f"| {_fmt(_mean_ratio(b['speedup'], 'vs_hf_generate'))} "
-            f"| {_fmt(b['greedy_match_rate'])} |"
-        )
-    acc = ", ".join(_fmt(a) for a in summary["acc"] or [])
-    return "\n".join(
-        [
-            f"# EAGLE-3 draft for {summary['target']}",
-            "",
-            f"- vocabulary: {summary['draft_vocab_size']} tokens, coverage "
-            f"{_fmt(summary['vocab_coverage'], 4)}",
-            f"- training: {summary['trained_tokens']} tokens in "
-            f"{_fmt(summary['train_seconds'], 0)} s; held-out acc per step [{acc}], "
-            f"simulated acceptance length {_fmt(summary['simulated_acceptance_length'])}",
-            "- checkpoints: [eagle](eagle/) (SGLang, SpecForge, TensorRT-LLM), "
-            "[speculators](speculators/) (vLLM)",
-            "",
-            *rows,
-            "",
-            *engine_table(summary.get("engines", [])),
-            "",
-        ]
-    )

@@ -112,7 +112,10 @@ def test_engine_eval_reads_the_engines_counters(engine, fake_engines, tiny_targe
     assert s["per_position_acceptance"][0] >= s["per_position_acceptance"][1] > 0
     assert s["greedy_match_rate"] == 1.0
     assert results["settings"]["engine"] == engine and results["settings"]["topk"] == 1
-    assert {"baseline", "speculative"} <= set(results["per_prompt"][0])
+    first = results["per_prompt"][0]  # results.json's record schema for an engine
+    assert set(first) == {"id", "category", "turns", "baseline", "speculative", "greedy_match"}
+    assert set(first["speculative"]) >= {"new_tokens", "seconds", "tokens_per_s", "acceptance"}
+    assert results["machine"]["load_during_timing"]["samples"] == 8  # 2 servers x 2 prompts x 2
     logs = sorted(p.name for p in (tmp_path / "out").glob("*.log"))
     assert logs == [f"{engine}-plain.log", f"{engine}-with-the-draft.log"]
     argv = (tmp_path / "out" / f"{engine}-with-the-draft.log").read_text()

@@ -11,6 +11,7 @@ from eagletools.cli import main
 from eagletools.errors import UserError
 from eagletools.eval.benchmarks import load_benchmark, read_questions
 from eagletools.eval.metrics import acceptance, summarize
+from eagletools.eval.report import markdown, pipeline_markdown
 
 
 def test_builtin_benchmarks():
@@ -97,6 +98,51 @@ def test_summary_speedups():
     assert s["greedy_match_rate"] == 1.0 and s["speedup"]["vs_hf_generate"] is None
 
 
+def _fabricated_results(records: list[dict], load: dict, cpu_count: int = 8) -> dict:
+    from dataclasses import asdict
+
+    from eagletools.eval.runner import Settings
+
+    machine = {"processor": "x86_64", "cpu_count": cpu_count, "torch": "2", "torch_threads": 2,
+               "load_average_at_start": [0.1], "load_during_timing": load}  # fmt: skip
+    settings = asdict(Settings(draft="d", device="cpu"))
+    return {"settings": settings, "machine": machine, "summary": summarize(records, depth=2)}
+
+
+def test_headline_speedup_is_total_over_total():
+    """A short prompt timed slow (other work) moves the mean of per-prompt ratios a lot and
+    the total over total little: reports lead with the total."""
+
+    def rec(base_seconds, spec_seconds, n):
+        run = lambda sec: {"new_tokens": n, "seconds": sec, "tokens_per_s": n / sec}  # noqa: E731
+        return {"category": "c", "baseline": run(base_seconds),
+                "speculative": run(spec_seconds) | {"accepted": [1] * (n // 2)}}  # fmt: skip
+
+    records = [rec(1.0, 0.5, 100), rec(1.0, 0.5, 100), rec(0.01, 0.1, 2)]
+    speedup = summarize(records, depth=2)["speedup"]["vs_baseline"]
+    assert speedup["mean_of_ratios"] == pytest.approx((2 + 2 + 0.1) / 3)
+    assert speedup["total_over_total"] == pytest.approx((202 / 1.1) / (202 / 2.01))
+    assert speedup["median_of_ratios"] == pytest.approx(2.0)
+    text = markdown(_fabricated_results(records, {"max": 0.5, "own_cpus": 0.5, "others": 0.0}))
+    row = next(line for line in text.splitlines() if line.startswith("| all |"))
+    assert row.split(" | ")[6] == f"{speedup['total_over_total']:.2f}" != "1.37"
+    assert "Other work" not in text
+    summary = {"target": "t", "vocab_coverage": 0.9, "draft_vocab_size": 8, "acc": [0.5],
+               "trained_tokens": 10, "train_seconds": 1.0, "simulated_acceptance_length": 1.5,
+               "benchmarks": {"b": {"tau": 1.5, "speedup": {"vs_baseline": speedup},
+                                    "greedy_match_rate": 1.0}}}  # fmt: skip
+    assert f"| {speedup['total_over_total']:.2f} |" in pipeline_markdown(summary)
+
+
+def test_the_report_warns_when_other_work_loaded_the_machine():
+    records = [{"category": "c", "baseline": {"new_tokens": 4, "seconds": 1.0, "tokens_per_s": 4}}]
+    busy = {"max": 7.5, "own_cpus": 2.0, "others": 5.5, "samples": 4}
+    text = markdown(_fabricated_results(records, busy, cpu_count=8))
+    assert "**Other work loaded the machine while it was timed: load average up to 7.50" in text
+    calm = {"max": 5.5, "own_cpus": 2.0, "others": 3.5, "samples": 4}
+    assert "Other work" not in markdown(_fabricated_results(records, calm, cpu_count=8))
+
+
 def test_eval_command_end_to_end(tiny_target, tmp_path, capsys):
     bench = tmp_path / "bench.jsonl"
     lines = [
@@ -117,9 +163,18 @@ def test_eval_command_end_to_end(tiny_target, tmp_path, capsys):
     assert set(s["per_category"]) == {"chat", "code"}
     for key in ("baseline", "speculative", "hf_generate"):
         assert s["tokens_per_s"][key] > 0
-    assert set(s["speedup"]["vs_hf_generate"]) == {"mean_of_ratios", "total_over_total"}
+    assert set(s["speedup"]["vs_hf_generate"]) == {
+        "mean_of_ratios", "median_of_ratios", "total_over_total"
+    }  # fmt: skip
     assert results["per_prompt"][0]["turns"] == 2
     assert results["settings"]["topk"] == 2 and "load_average_at_start" in results["machine"]
+    load = results["machine"]["load_during_timing"]
+    assert set(load) == {"max", "own_cpus", "others", "samples"} and load["samples"] == 4
+    first = results["per_prompt"][0]  # results.json's record schema
+    assert set(first) == {"id", "category", "turns", "baseline", "speculative", "hf_generate",
+                          "greedy_match", "hf_match"}  # fmt: skip
+    assert set(first["baseline"]) == {"new_tokens", "seconds", "tokens_per_s"}
+    assert set(first["speculative"]) == {"new_tokens", "seconds", "tokens_per_s", "accepted"}
     report = (out / "results.md").read_text()
     assert report.startswith("# eagletools eval") and "steps eager (`--compile`" in report
     for png in ("acceptance_by_position.png", "speedup_by_category.png"):

@@ -59,17 +59,7 @@ def _eval(args: argparse.Namespace) -> int:
     from eagletools.eval.runner import run_eval
 
     questions = load_benchmark(args.bench, args.num_prompts, args.max_turns)
-    s = settings_from_args(
-        args,
-        bench=args.bench,
-        num_prompts=args.num_prompts,
-        hf_baseline=args.hf_baseline,
-        autotune=args.autotune,
-        autotune_prompts=args.autotune_prompts,
-        engine=args.engine,
-        engine_port=args.engine_port,
-        engine_timeout=args.engine_timeout,
-    )
+    s = settings_from_args(args)
     if s.engine == "ours":
         results = run_eval(s, questions, progress=not args.no_progress)
     else:

@@ -65,7 +65,7 @@ def add_decoding_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def settings_from_args(args: argparse.Namespace, **extra):
+def settings_from_args(args: argparse.Namespace):
     from eagletools.eval.runner import Settings
 
     if args.max_new_tokens < 1:
@@ -79,12 +79,7 @@ def settings_from_args(args: argparse.Namespace, **extra):
         raise UserError(
             f"--draft {draft}: no such file or folder (omit --draft for plain decoding)"
         )
-    names = (
-        "target", "draft", "max_new_tokens", "temperature", "top_k", "top_p", "topk", "depth",
-        "num_draft_tokens", "dtype", "device", "threads", "seed", "allow_pickle", "chat_template",
-        "fast_numerics", "compile",
-    )  # fmt: skip
-    return Settings(**{n: getattr(args, n) for n in names}, **extra)
+    return Settings.of(args)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -21,10 +21,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _pipeline(args: argparse.Namespace) -> int:
     from eagletools.commands.train import split_recipe
-    from eagletools.pipeline import headline, run_pipeline
+    from eagletools.eval.report import pipeline_lines
+    from eagletools.pipeline import run_pipeline
     from eagletools.train.recipe import load_config
 
     recipe, overrides = split_recipe(args.recipe_and_overrides)
     summary = run_pipeline(load_config(recipe, overrides), args.output_dir)
-    print("\n".join(headline(summary)))
+    print("\n".join(pipeline_lines(summary)))
     return 0

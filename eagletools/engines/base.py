@@ -48,9 +48,13 @@ class Counters:
 
 @dataclass
 class Completion:
+    """One prompt decoded by any benchmark method (eval.methods), with its own counters."""
+
     tokens: list[int]
     seconds: float  # wall clock of the request, as the client sees it
     engine_tokens_per_s: float | None = None  # the engine's own figure, when it reports one
+    accepted: list[int] | None = None  # our decoder's drafts accepted per verify step
+    counters: Counters | None = None  # an engine's counters over the request (with a draft)
 
 
 @dataclass(frozen=True)

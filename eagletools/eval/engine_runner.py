@@ -15,15 +15,15 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
-from eagletools.engines import ENGINES, Counters, Engine, ServeRequest
-from eagletools.engines.server import free_port, serve
+from eagletools.engines import ENGINES, Engine
 from eagletools.errors import UserError
 from eagletools.eval.benchmarks import Question
-from eagletools.eval.runner import Settings, converse, first_difference, machine
+from eagletools.eval.measure import build_results, run_methods
+from eagletools.eval.methods import EngineServer, Method
+from eagletools.eval.runner import Settings
 
 log = logging.getLogger(__name__)
 
@@ -78,55 +78,6 @@ def _max_len(target: Path | str) -> int:
     return min(getattr(load_config(str(target)), "max_position_embeddings", 4096), 4096)
 
 
-def _engine_generate(engine: Engine, server, s: Settings) -> Callable:
-    def generate(ids: list[int]) -> tuple[list[int], float, tuple[Counters, float | None]]:
-        before = engine.counters(server)
-        done = engine.complete(server, ids, s.max_new_tokens)
-        return (
-            done.tokens,
-            done.seconds,
-            (engine.counters(server) - before, done.engine_tokens_per_s),
-        )
-
-    return generate
-
-
-def run_server(
-    engine: Engine, s: Settings, launch_args: dict, questions, tokenizer, log_dir: Path, progress
-) -> list:
-    """One server over every question: per question (turn tokens, seconds, counters,
-    the engine's own tokens/s readings)."""
-    from tqdm.auto import tqdm
-
-    launch = engine.launch(ServeRequest(port=free_port(s.engine_port), **launch_args))
-    kind = "with the draft" if launch_args["draft"] else "plain"
-    log_path = log_dir / f"{engine.name}-{kind.replace(' ', '-')}.log"
-    log.info("%s %s: %s", engine.name, kind, " ".join(launch.argv))
-    out = []
-    with serve(
-        f"{engine.name} ({kind})", launch.argv, launch.port, log_path, launch.health,
-        s.engine_timeout, launch.env,
-    ) as server:  # fmt: skip
-        generate = _engine_generate(engine, server, s)
-        generate(tokenizer("Hello").input_ids)  # warm-up: first-request allocation untimed
-        for q in tqdm(questions, desc=f"{engine.name} {kind}", unit="prompt", disable=not progress):
-            turns = converse(generate, tokenizer, q.turns)
-            counters = sum((c for _, _, (c, _) in turns), Counters())
-            engine_tps = [tps for _, _, (_, tps) in turns if tps]
-            out.append(
-                ([t for t, _, _ in turns], sum(sec for _, sec, _ in turns), counters, engine_tps)
-            )
-    return out
-
-
-def _record(tokens: list[list[int]], seconds: float, engine_tps: list[float]) -> dict:
-    n = sum(len(t) for t in tokens)
-    record = {"new_tokens": n, "seconds": round(seconds, 4), "tokens_per_s": n / seconds}
-    if engine_tps:
-        record["engine_tokens_per_s"] = sum(engine_tps) / len(engine_tps)
-    return record
-
-
 def launch_args(s: Settings, engine: Engine) -> tuple[dict, str | None]:
     """(the server's `ServeRequest` fields but port and draft, the draft as `engine` loads it)."""
     folder, target, draft = engine_inputs(s, engine)
@@ -138,6 +89,28 @@ def launch_args(s: Settings, engine: Engine) -> tuple[dict, str | None]:
     return args, draft
 
 
+def engine_methods(
+    s: Settings,
+    engine: Engine,
+    log_dir: str | Path,
+    keys: tuple[str, str] = ("baseline", "speculative"),
+) -> list[list[Method]]:
+    """The engine's plain server, then (with a draft) its server with the draft, under
+    `keys`: one group each, since a server started with a draft cannot decode plainly."""
+    args, draft = launch_args(s, engine)
+    plain, spec = keys
+    groups: list[list[Method]] = [
+        [EngineServer(plain, engine, args | {"draft": None}, s.max_new_tokens, log_dir,
+                      s.engine_port, s.engine_timeout)],
+    ]  # fmt: skip
+    if draft:
+        groups.append(
+            [EngineServer(spec, engine, args | {"draft": draft}, s.max_new_tokens, log_dir,
+                          s.engine_port, s.engine_timeout, reference=plain)]
+        )  # fmt: skip
+    return groups
+
+
 def run_engine_eval(
     s: Settings, questions: list[Question], log_dir: str | Path, progress: bool = True
 ) -> dict:
@@ -146,47 +119,21 @@ def run_engine_eval(
     The servers' logs go to `log_dir` (on failure the error quotes their tail).
     """
     from eagletools.data.chat import set_chat_template
-    from eagletools.eval.metrics import summarize
     from eagletools.target.load import load_tokenizer
 
     engine = ENGINES[s.engine]
-    args, draft = launch_args(s, engine)
+    groups = engine_methods(s, engine, log_dir)
     tokenizer = load_tokenizer(s.target)
     set_chat_template(tokenizer, s.chat_template)
-    at_start = machine()
     started = time.perf_counter()
-    log_dir = Path(log_dir)
-    plain = run_server(engine, s, args | {"draft": None}, questions, tokenizer, log_dir, progress)
-    spec = None
-    if draft:
-        spec = run_server(
-            engine, s, args | {"draft": draft}, questions, tokenizer, log_dir, progress
-        )
-    records = []
-    for i, q in enumerate(questions):
-        tokens, seconds, _, tps = plain[i]
-        record = {"id": q.id, "category": q.category, "turns": len(q.turns),
-                  "baseline": _record(tokens, seconds, tps)}  # fmt: skip
-        if spec:
-            stokens, sseconds, counters, stps = spec[i]
-            record["speculative"] = _record(stokens, sseconds, stps) | {
-                "acceptance": asdict(counters)
-            }
-            diff = first_difference(stokens, tokens)
-            record["greedy_match"] = diff is None
-            if diff is not None:
-                record["baseline_difference"] = {"turn": diff[0], "index": diff[1]}
-        records.append(record)
-    return {
-        "settings": asdict(s) | {"topk": 1, "num_draft_tokens": s.depth + 1},
-        "engine": {
-            "name": engine.name,
-            "target": args["target"],
-            "draft": draft,
+    measured = run_methods(groups, questions, tokenizer, progress)
+    first = groups[0][0].request
+    return build_results(
+        asdict(s) | {"topk": 1, "num_draft_tokens": s.depth + 1}, s.depth, questions, measured,
+        [m for group in groups for m in group],
+        engine={
+            "name": engine.name, "target": first["target"],
+            "draft": groups[-1][0].request["draft"],
             "minutes": round((time.perf_counter() - started) / 60, 2),
-        },  # fmt: skip
-        "machine": at_start | {"load_average_at_end": machine()["load_average_at_start"]},
-        "summary": summarize(records, s.depth),
-        "autotune": None,
-        "per_prompt": records,
-    }
+        },
+    )  # fmt: skip

@@ -1,13 +1,28 @@
 """Figures of a run (docs/design.md 3.6): tau, per-position acceptance, speedups.
 
-Speedups come two ways: the mean of per-prompt tokens/s ratios (what EAGLE
-reports) and total tokens over total time (what a user waiting on the whole
-benchmark sees).
+The headline speedup is total tokens over total time (what a user waiting on
+the whole benchmark sees): one prompt slowed by other work moves it by its
+share of the time only. The median of per-prompt ratios (each pair timed back
+to back) is kept beside it, and the mean of them (what EAGLE reports) for
+comparison with papers, never as the headline: a single prompt timed under
+load can move a mean of ratios arbitrarily.
 """
 
 from __future__ import annotations
 
+import statistics
 from collections import defaultdict
+
+# record fields of a method's greedy match with its reference, as results.json has them
+MATCH_FIELDS = {
+    "speculative": ("greedy_match", "baseline_difference"),
+    "baseline": ("hf_match", "hf_difference"),
+}
+
+
+def match_fields(key: str) -> tuple[str, str]:
+    """(record field: equal to its reference, record field: where they first differ)."""
+    return MATCH_FIELDS.get(key, (f"{key} match", f"{key} difference"))
 
 
 def acceptance(accepted: list[int], depth: int) -> tuple[float, list[float]]:
@@ -29,14 +44,19 @@ def rates(c: dict, depth: int) -> tuple[float, list[float]]:
     return 1 + c["accepted"] / c["steps"], [n / c["steps"] for n in per_position]
 
 
-def _total_counts(records: list[dict], depth: int) -> dict:
-    """Counters over every speculative run: from our per-step lists or an engine's counters."""
+def entry_counts(entry: dict, depth: int) -> dict | None:
+    """A method's counters in one record: from our per-step list, or an engine's own."""
+    if "accepted" in entry:
+        return counts(entry["accepted"], depth)
+    return entry.get("acceptance")
+
+
+def total_counts(records: list[dict], depth: int, key: str = "speculative") -> dict:
+    """Counters over every run of the method `key`."""
     total = {"steps": 0, "accepted": 0, "per_position": [0] * depth}
     for r in records:
-        if "speculative" not in r:
+        if key not in r or (c := entry_counts(r[key], depth)) is None:
             continue
-        spec = r["speculative"]
-        c = counts(spec["accepted"], depth) if "accepted" in spec else spec["acceptance"]
         total["steps"] += c["steps"]
         total["accepted"] += c["accepted"]
         for i, n in enumerate(c["per_position"][:depth]):
@@ -44,7 +64,7 @@ def _total_counts(records: list[dict], depth: int) -> dict:
     return total
 
 
-def _throughput(records: list[dict], key: str) -> dict | None:
+def throughput(records: list[dict], key: str) -> dict | None:
     runs = [r[key] for r in records if key in r]
     if not runs:
         return None
@@ -53,7 +73,7 @@ def _throughput(records: list[dict], key: str) -> dict | None:
     return {"total": tokens / seconds if seconds else 0.0, "tokens": tokens, "seconds": seconds}
 
 
-def _speedup(records: list[dict], fast: str, slow: str) -> dict | None:
+def speedups(records: list[dict], fast: str, slow: str) -> dict | None:
     pairs = [(r[fast], r[slow]) for r in records if fast in r and slow in r]
     if not pairs:
         return None
@@ -62,8 +82,14 @@ def _speedup(records: list[dict], fast: str, slow: str) -> dict | None:
     total_slow = sum(s["new_tokens"] for _, s in pairs) / sum(s["seconds"] for _, s in pairs)
     return {
         "mean_of_ratios": sum(ratios) / len(ratios) if ratios else None,
+        "median_of_ratios": statistics.median(ratios) if ratios else None,
         "total_over_total": total_fast / total_slow if total_slow else None,
     }
+
+
+def headline(speedup: dict | None) -> float | None:
+    """The speedup a report leads with: total tokens over total seconds."""
+    return (speedup or {}).get("total_over_total")
 
 
 def _rate(records: list[dict], key: str) -> float | None:
@@ -72,16 +98,16 @@ def _rate(records: list[dict], key: str) -> float | None:
 
 
 def summarize(records: list[dict], depth: int, by_category: bool = True) -> dict:
-    total = _total_counts(records, depth)
+    total = total_counts(records, depth)
     accepted = total["steps"] > 0
     tau, per_position = rates(total, depth)
-    throughput = {
-        name: _throughput(records, name) for name in ("baseline", "speculative", "hf_generate")
+    totals = {
+        name: throughput(records, name) for name in ("baseline", "speculative", "hf_generate")
     }
     speedup = {
-        "vs_baseline": _speedup(records, "speculative", "baseline"),
-        "vs_hf_generate": _speedup(records, "speculative", "hf_generate"),
-        "baseline_vs_hf_generate": _speedup(records, "baseline", "hf_generate"),
+        "vs_baseline": speedups(records, "speculative", "baseline"),
+        "vs_hf_generate": speedups(records, "speculative", "hf_generate"),
+        "baseline_vs_hf_generate": speedups(records, "baseline", "hf_generate"),
     }
     vs_base = speedup["vs_baseline"]
     summary = {
@@ -89,11 +115,11 @@ def summarize(records: list[dict], depth: int, by_category: bool = True) -> dict
         "tau": tau if accepted else None,
         "per_position_acceptance": per_position if accepted else None,
         "verify_steps": total["steps"],
-        "tokens_per_s": {k: v and v["total"] for k, v in throughput.items()},
-        "new_tokens": {k: v and v["tokens"] for k, v in throughput.items()},
+        "tokens_per_s": {k: v and v["total"] for k, v in totals.items()},
+        "new_tokens": {k: v and v["tokens"] for k, v in totals.items()},
         "speedup": speedup,
         # share of the ideal speedup tau that the decoder's overhead leaves
-        "efficiency": vs_base["total_over_total"] / tau if vs_base and accepted else None,
+        "efficiency": headline(vs_base) / tau if vs_base and accepted else None,
         "greedy_match_rate": _rate(records, "greedy_match"),
         "hf_match_rate": _rate(records, "hf_match"),
     }
@@ -105,3 +131,18 @@ def summarize(records: list[dict], depth: int, by_category: bool = True) -> dict
             name: summarize(rs, depth, by_category=False) for name, rs in sorted(categories.items())
         }
     return summary
+
+
+def method_figures(records: list[dict], key: str, hf: str, baseline: str, depth: int) -> dict:
+    """One method's row in a side-by-side comparison (benchmarks/compare.py)."""
+    total = total_counts(records, depth, key)
+    flags = [r[field] for r in records if (field := match_fields(key)[0]) in r]
+    return {
+        "name": key,
+        "prompts": len(records),
+        "tokens_per_s": throughput(records, key)["total"],
+        "speedup": headline(speedups(records, key, hf)),
+        "vs_baseline": headline(speedups(records, key, baseline)),
+        "tau": rates(total, depth)[0] if total["steps"] else None,
+        "plain_matches": sum(flags) if flags else None,
+    }

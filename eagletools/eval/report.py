@@ -1,16 +1,27 @@
-"""Write a run: results.json, results.md (Markdown table), PNG plots, wandb."""
+"""Write a run: results.json, results.md (Markdown table), PNG plots, wandb; and the
+pipeline's report.md. Every number in every report goes through `_fmt`.
+
+results.json: `settings` (eval.runner.Settings), `machine` (eval.measure.machine,
+with `load_average_at_end` and `load_during_timing`: `max`, `own_cpus`, `others`,
+`samples`), `summary` (eval.metrics.summarize), `per_prompt` records (each
+method's `new_tokens`, `seconds`, `tokens_per_s`; our speculative decoder's
+`accepted` per verify step, an engine's `acceptance` counters), `autotune`,
+`bandwidth` (ours) or `engine` (a serving engine).
+"""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from eagletools.atomic import atomic_file, write_text
+from eagletools.eval.metrics import headline
 
 
-def _fmt(value, digits: int = 2) -> str:
+def _fmt(value: Any, digits: int = 2) -> str:
     if value is None:
-        return "-"
+        return "n/a"
     if isinstance(value, float):
         return f"{value:.{digits}f}"
     return str(value)
@@ -18,7 +29,7 @@ def _fmt(value, digits: int = 2) -> str:
 
 def _row(name: str, s: dict) -> list[str]:
     tps, sp = s["tokens_per_s"], s["speedup"]
-    vs_base, vs_hf = sp["vs_baseline"] or {}, sp["vs_hf_generate"] or {}
+    vs_base = sp["vs_baseline"] or {}
     return [
         name,
         str(s["prompts"]),
@@ -26,11 +37,25 @@ def _row(name: str, s: dict) -> list[str]:
         _fmt(tps["baseline"], 1),
         _fmt(tps["speculative"], 1),
         _fmt(tps["hf_generate"], 1),
-        _fmt(vs_base.get("mean_of_ratios")),
-        _fmt(vs_base.get("total_over_total")),
-        _fmt(vs_hf.get("mean_of_ratios")),
+        _fmt(headline(vs_base)),
+        _fmt(vs_base.get("median_of_ratios")),
+        _fmt(headline(sp["vs_hf_generate"])),
         _fmt(s["efficiency"]),
         _fmt(s["greedy_match_rate"]),
+    ]
+
+
+def load_warning(machine: dict) -> list[str]:
+    """A bold line when other work loaded the machine during timing (over half its cores)."""
+    load = machine.get("load_during_timing")  # absent in results from before it was measured
+    if not load or load["others"] <= machine["cpu_count"] / 2:
+        return []
+    return [
+        "",
+        f"**Other work loaded the machine while it was timed: load average up to "
+        f"{_fmt(load['max'])}, of which {_fmt(load['own_cpus'])} CPUs were this run's, on "
+        f"{machine['cpu_count']} cores. Tokens/s and speedups are unreliable; rerun on an idle "
+        f"machine.**",
     ]
 
 
@@ -52,8 +77,8 @@ def numerics(cfg: dict) -> str:
 def markdown(results: dict) -> str:
     s, cfg = results["summary"], results["settings"]
     head = [
-        "set", "prompts", "tau", "base tok/s", "spec tok/s", "HF tok/s",
-        "speedup (mean)", "speedup (total)", "vs HF (mean)", "efficiency", "greedy match",
+        "set", "prompts", "tau", "base tok/s", "spec tok/s", "HF tok/s", "speedup",
+        "speedup (median per prompt)", "vs HF", "efficiency", "greedy match",
     ]  # fmt: skip
     rows = [_row("all", s)]
     rows += [_row(name, c) for name, c in s.get("per_category", {}).items()]
@@ -74,8 +99,11 @@ def markdown(results: dict) -> str:
         "| " + " | ".join(head) + " |",
         "|" + "---|" * len(head),
         *("| " + " | ".join(r) + " |" for r in rows),
+        "",
+        "speedup: total tokens over total seconds, with the draft over without it",
+        *load_warning(results["machine"]),
     ]
-    vs_base = (s["speedup"]["vs_baseline"] or {}).get("total_over_total")
+    vs_base = headline(s["speedup"]["vs_baseline"])
     if vs_base is not None and vs_base < 1:
         lines += ["", f"**The draft makes {engine} slower than plain decoding here: "
                   f"x{vs_base:.2f} of its tokens/s without the draft.**"]  # fmt: skip
@@ -119,9 +147,9 @@ def plots(results: dict, out: Path) -> list[Path]:
         written.append(_save(fig, out / "acceptance_by_position.png"))
     cats = s.get("per_category") or {"all": s}
     speedups = {
-        name: c["speedup"]["vs_baseline"]["mean_of_ratios"]
+        name: headline(c["speedup"]["vs_baseline"])
         for name, c in cats.items()
-        if c["speedup"]["vs_baseline"]
+        if headline(c["speedup"]["vs_baseline"]) is not None
     }
     if speedups:
         fig, ax = plt.subplots(figsize=(max(5, 0.6 * len(speedups)), 3.2))
@@ -189,3 +217,119 @@ def log_wandb(results: dict, files: list[Path], project: str, run_name: str | No
         {"per_prompt": table, **{p.stem: wandb.Image(str(p)) for p in files if p.suffix == ".png"}}
     )
     run.finish()
+
+
+def engine_table(rows: list[dict[str, Any]]) -> list[str]:
+    """Markdown: each engine with and without the draft; a draft that slows one is said so."""
+    if not rows:
+        return []
+    lines = [
+        "| engine | chain | tok/s without draft | tok/s with draft | speedup | acceptance length "
+        "| per position | greedy match |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        per = ", ".join(_fmt(a) for a in r["per_position_acceptance"] or [])
+        tps = r["tokens_per_s"]
+        lines.append(
+            f"| {r['engine']} | {r['depth']} | {_fmt(tps['baseline'], 1)} "
+            f"| {_fmt(tps['speculative'], 1)} | {_fmt(r['speedup'])} | {_fmt(r['tau'])} "
+            f"| {per} | {_fmt(r['greedy_match_rate'])} |"
+        )
+    slower = [r["engine"] for r in rows if r["speedup"] is not None and r["speedup"] < 1]
+    if slower:
+        lines += ["", f"**The draft makes {', '.join(slower)} slower than plain decoding here.**"]
+    return lines
+
+
+def pipeline_lines(summary: dict[str, Any]) -> list[str]:
+    """The lines `eagletools pipeline` prints at the end (summary: pipeline.summarize)."""
+    lines = [
+        f"vocabulary coverage: {_fmt(summary['vocab_coverage'], 4)} "
+        f"(draft vocab {summary['draft_vocab_size']})",
+        f"training simulated acceptance length: {_fmt(summary['simulated_acceptance_length'])}",
+    ]
+    for bench, b in summary["benchmarks"].items():
+        tau, vs_base, vs_hf, match = _bench_figures(b)
+        lines.append(
+            f"{bench}: tau {tau}, speedup x{vs_base} over our baseline, x{vs_hf} over "
+            f"Hugging Face generate, greedy match {match}"
+        )
+    lines.append(f"report: {summary['report']}")
+    return lines
+
+
+def _bench_figures(b: dict[str, Any]) -> list[str]:
+    """A benchmark's tau, headline speedups over our baseline and HF generate, greedy match."""
+    speedup = b["speedup"] or {}
+    return [_fmt(b["tau"]), _fmt(headline(speedup.get("vs_baseline"))),
+            _fmt(headline(speedup.get("vs_hf_generate"))), _fmt(b["greedy_match_rate"])]  # fmt: skip
+
+
+def pipeline_markdown(summary: dict[str, Any]) -> str:
+    """The pipeline's report.md: training, each benchmark and each engine, with links."""
+    rows = [
+        "| benchmark | tau | speedup vs our baseline | speedup vs HF generate | greedy match |",
+        "|---|---|---|---|---|",
+    ]
+    for bench, b in summary["benchmarks"].items():
+        rows.append(
+            f"| [{bench}](eval/{bench}/results.md) | " + " | ".join(_bench_figures(b)) + " |"
+        )
+    acc = ", ".join(_fmt(a) for a in summary["acc"] or [])
+    return "\n".join(
+        [
+            f"# EAGLE-3 draft for {summary['target']}",
+            "",
+            f"- vocabulary: {summary['draft_vocab_size']} tokens, coverage "
+            f"{_fmt(summary['vocab_coverage'], 4)}",
+            f"- training: {summary['trained_tokens']} tokens in "
+            f"{_fmt(summary['train_seconds'], 0)} s; held-out acc per step [{acc}], "
+            f"simulated acceptance length {_fmt(summary['simulated_acceptance_length'])}",
+            "- checkpoints: [eagle](eagle/) (SGLang, SpecForge, TensorRT-LLM), "
+            "[speculators](speculators/) (vLLM)",
+            "",
+            *rows,
+            "",
+            "speedups: total tokens over total seconds",
+            "",
+            *engine_table(summary.get("engines", [])),
+            "",
+        ]
+    )
+
+
+def methods_markdown(rows: list[dict], notes: list[str], header: dict, machine: dict) -> str:
+    """benchmarks/compare.py's table: every method's figures (eval.metrics.method_figures)."""
+    lines = [
+        "# Results: eagletools against Hugging Face decoders",
+        "",
+        f"Measured {header['date']} on {machine['processor']}, {machine['cpu_count']} cores, "
+        f"torch {machine['torch']} with `benchmarks/compare.py` ({header['prompts']} MT-bench "
+        f"first turns, {header['max_new_tokens']} new tokens, greedy, {header['dtype']}, target "
+        f"`{header['target']}`, draft `{header['draft']}`, load average "
+        f"{machine['load_average_at_start']} at start, {machine['load_average_at_end']} at end).",
+        *load_warning(machine),
+        "",
+        "| method | tokens/s | speedup vs HF generate | speedup vs eagletools baseline | tau "
+        "| output equals HF generate | output equals its runtime's plain decoding |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        plain = "n/a" if r["plain_matches"] is None else f"{r['plain_matches']}/{r['prompts']}"
+        lines.append(
+            f"| {r['name']} | {_fmt(r['tokens_per_s'], 1)} | {_fmt(r['speedup'])}x "
+            f"| {_fmt(r['vs_baseline'])}x | {_fmt(r['tau'])} | {r['matches']}/{r['prompts']} "
+            f"| {plain} |"
+        )
+    notes = [
+        "tokens/s and speedups: total tokens over total seconds; tau: tokens per verify step "
+        "(1 + drafts accepted), for the methods that draft and count it.",
+        "In bf16 each runtime rounds its own way, so outputs of different runtimes differ "
+        "(HF's own prompt lookup from HF generate too). What a draft must not change is its "
+        "runtime's plain output: our speculative rows against our baseline (batch-invariant "
+        "attention), each engine's drafted row against its plain row. Equality with HF generate "
+        "is checked in fp32 (tests, and `eagletools eval --dtype float32 --hf-baseline`).",
+        *notes,
+    ]
+    return "\n".join([*lines, "", *(f"- {n}" for n in notes), ""])

@@ -1,29 +1,28 @@
-"""Run a benchmark through the baseline and the speculative decoder, prompt by prompt.
+"""`eagletools eval` with our decoders: the baseline, the speculative decoder, HF generate.
 
-Both decoders share one runtime and run back to back on each prompt, so a
-change in machine load hits both; per-prompt ratios are what EAGLE reports.
-Multi-turn questions feed each decoder its own earlier answers (with greedy
-decoding they are the same), through the target's chat template.
+The three share one target and take each prompt in turn (eval.measure), so a
+change in machine load hits them alike. `Settings` is every evaluation's
+configuration, the serving engines' (eval.engine_runner) included.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import os
-import platform
-import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 
 from eagletools.data.chat import chat_ids, set_chat_template
-from eagletools.decode import BaselineDecoder, Result, Sampling, SpeculativeDecoder, Transformer
+from eagletools.decode import BaselineDecoder, Sampling, SpeculativeDecoder, Transformer
 from eagletools.decode.model import compiled
 from eagletools.devices import resolve_device
 from eagletools.dtypes import dtype_name, parse_dtype
 from eagletools.errors import UserError
 from eagletools.eval.benchmarks import Question
+from eagletools.eval.measure import Run, build_results, run_methods
+from eagletools.eval.methods import Decoder, HuggingFace, Method
+from eagletools.eval.metrics import acceptance
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +82,13 @@ class Settings:
     def sampling(self) -> Sampling:
         return Sampling(self.temperature, self.top_k, self.top_p)
 
+    @classmethod
+    def of(cls, source: object, **fields) -> Settings:
+        """Settings from whatever names some of them alike: an argparse namespace, a
+        recipe's eval section; `fields` win. The one mapping every caller uses."""
+        names = (f.name for f in dataclasses.fields(cls))
+        return cls(**({n: getattr(source, n) for n in names if hasattr(source, n)} | fields))
+
 
 @dataclass
 class Decoders:
@@ -129,156 +135,48 @@ def load_any_draft(spec: str, target, dtype, device, allow_pickle: bool = False)
     return load_draft(spec, target=target, dtype=dtype, device=device, allow_pickle=allow_pickle)
 
 
-def converse(
-    generate: Callable[[list[int]], tuple[list[int], float, list[int]]],
-    tokenizer,
-    turns: Sequence[str],
-) -> list[tuple[list[int], float, list[int]]]:
-    """Each user turn in order; the reply (text of the generated tokens) joins the history."""
-    messages, out = [], []
-    for turn in turns:
-        messages.append({"role": "user", "content": turn})
-        tokens, seconds, accepted = generate(chat_ids(tokenizer, messages))
-        out.append((tokens, seconds, accepted))
-        reply = tokenizer.decode(tokens, skip_special_tokens=True).strip()
-        messages.append({"role": "assistant", "content": reply})
-    return out
-
-
-def _ours(decoder, s: Settings, generator: torch.Generator):
-    decoder.reset()  # each question starts cold, as HF generate does; its turns reuse the cache
-
-    def generate(ids):
-        r: Result = decoder.generate(ids, s.max_new_tokens, s.sampling, generator=generator)
-        return r.tokens, r.seconds, r.accepted
-
-    return generate
-
-
-def hf_generate(
-    model, max_new_tokens: int, eos: set[int], sampling: Sampling | None = None, **kwargs
-) -> Callable[[list[int]], tuple[list[int], float, list[int]]]:
-    """Hugging Face `generate` as a timed ids -> (new tokens, seconds, []) function.
-
-    Extra `kwargs` go to `generate` (prompt lookup, an assistant model, ...).
-    """
-    sampling = sampling or Sampling()
-    if sampling.greedy:
-        kwargs.update(do_sample=False)
-    else:
-        kwargs.update(
-            do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k,
-            top_p=sampling.top_p,
-        )  # fmt: skip
-
-    @torch.inference_mode()
-    def generate(ids):
-        x = torch.tensor([ids], device=model.device)
-        start = time.perf_counter()
-        out = model.generate(
-            x,
-            attention_mask=torch.ones_like(x),
-            max_new_tokens=max_new_tokens,
-            eos_token_id=sorted(eos),
-            pad_token_id=sorted(eos)[0],
-            **kwargs,
-        )
-        return out[0, len(ids) :].tolist(), time.perf_counter() - start, []
-
-    return generate
-
-
-@dataclass
-class Run:
-    tokens: list[list[int]]  # per turn
-    seconds: float
-    accepted: list[int] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(t) for t in self.tokens)
-
-    def record(self) -> dict:
-        return {
-            "new_tokens": self.num_tokens,
-            "seconds": round(self.seconds, 4),
-            "tokens_per_s": self.num_tokens / self.seconds if self.seconds else 0.0,
-        }
-
-
-def _run(generate, tokenizer, question: Question) -> Run:
-    turns = converse(generate, tokenizer, question.turns)
-    return Run(
-        [t for t, _, _ in turns],
-        sum(sec for _, sec, _ in turns),
-        [a for _, _, acc in turns for a in acc],
-    )
-
-
-def first_difference(a: list[list[int]], b: list[list[int]]) -> tuple[int, int] | None:
-    """(turn, token index) where two outputs first differ, or None."""
-    for turn, (x, y) in enumerate(zip(a, b, strict=True)):
-        for i in range(max(len(x), len(y))):
-            if i >= len(x) or i >= len(y) or x[i] != y[i]:
-                return turn, i
-    return None
-
-
-def _logit_gap(target, question: Question, runs: tuple[Run, Run], where) -> dict:
+def _logit_gap(target, question: Question, ours: Run, hf: Run, where: dict) -> dict:
     """At a divergence from HF: the target's top-2 logit gap there (a near tie = rounding)."""
-    turn, index = where
+    turn, index = where["turn"], where["index"]
     tokenizer = target.tokenizer
     messages = []
     for t in range(turn):
-        reply = tokenizer.decode(runs[0].tokens[t], skip_special_tokens=True).strip()
+        reply = tokenizer.decode(ours.tokens[t], skip_special_tokens=True).strip()
         messages += [{"role": "user", "content": question.turns[t]}]
         messages += [{"role": "assistant", "content": reply}]
     messages.append({"role": "user", "content": question.turns[turn]})
-    ids = chat_ids(tokenizer, messages) + runs[0].tokens[turn][:index]
+    ids = chat_ids(tokenizer, messages) + ours.tokens[turn][:index]
     with torch.inference_mode():
         logits = target.model(torch.tensor([ids], device=target.model.device)).logits[0, -1]
     top = logits.float().topk(2)
-    ours, theirs = runs[0].tokens[turn], runs[1].tokens[turn]
+    mine, theirs = ours.tokens[turn], hf.tokens[turn]
     return {
         "turn": turn,
         "index": index,
-        "ours": ours[index] if index < len(ours) else None,
+        "ours": mine[index] if index < len(mine) else None,
         "hf": theirs[index] if index < len(theirs) else None,
         "top2_logit_gap": float(top.values[0] - top.values[1]),
     }
 
 
-def evaluate_question(
-    decoders: Decoders, s: Settings, question: Question, generator: torch.Generator
-) -> dict:
-    tokenizer = decoders.target.tokenizer
-    base = _run(_ours(decoders.baseline, s, generator), tokenizer, question)
-    record = {
-        "id": question.id,
-        "category": question.category,
-        "turns": len(question.turns),
-        "baseline": base.record(),
-    }
+def methods(decoders: Decoders, s: Settings, generator: torch.Generator) -> list[Method]:
+    """Our baseline, our speculative decoder and HF generate, as `s` asks. With greedy
+    decoding the speculative decoder must equal the baseline, and the baseline HF."""
+    greedy = s.sampling.greedy
+    out: list[Method] = [
+        Decoder("baseline", decoders.baseline, s.max_new_tokens, s.sampling, generator,
+                reference="hf_generate" if s.hf_baseline and greedy else None),
+    ]  # fmt: skip
     if decoders.speculative is not None:
-        spec = _run(_ours(decoders.speculative, s, generator), tokenizer, question)
-        record["speculative"] = spec.record() | {"accepted": spec.accepted}
-        if s.sampling.greedy:
-            diff = first_difference(spec.tokens, base.tokens)
-            record["greedy_match"] = diff is None
-            if diff is not None:
-                record["baseline_difference"] = {"turn": diff[0], "index": diff[1]}
+        out.append(
+            Decoder("speculative", decoders.speculative, s.max_new_tokens, s.sampling, generator,
+                    reference="baseline" if greedy else None)
+        )  # fmt: skip
     if s.hf_baseline:
-        hf_run = hf_generate(
-            decoders.target.model, s.max_new_tokens, decoders.baseline.eos_ids, s.sampling
-        )
-        hf = _run(hf_run, tokenizer, question)
-        record["hf_generate"] = hf.record()
-        if s.sampling.greedy:
-            diff = first_difference(base.tokens, hf.tokens)
-            record["hf_match"] = diff is None
-            if diff is not None:
-                record["hf_difference"] = _logit_gap(decoders.target, question, (base, hf), diff)
-    return record
+        eos = decoders.baseline.eos_ids
+        out.append(HuggingFace("hf_generate", decoders.target.model, s.max_new_tokens, eos,
+                               s.sampling))  # fmt: skip
+    return out
 
 
 def autotune(decoders: Decoders, s: Settings, questions: list[Question]) -> dict:
@@ -293,16 +191,16 @@ def autotune(decoders: Decoders, s: Settings, questions: list[Question]) -> dict
             decoders.runtime, draft, tokenizer, topk, depth, n, compile=spec.compiled
         )  # fmt: skip
         gen = torch.Generator(device=s.device).manual_seed(s.seed)
-        runs = [_run(_ours(decoder, s, gen), tokenizer, q) for q in sample]
-        tokens = sum(r.num_tokens for r in runs)
-        seconds = sum(r.seconds for r in runs)
-        steps = sum(len(r.accepted) for r in runs)
+        method = Decoder("speculative", decoder, s.max_new_tokens, s.sampling, gen)
+        measured = run_methods([[method]], sample, tokenizer, progress=False)
+        runs = measured.runs["speculative"]
+        tau, _ = acceptance([a for r in runs for a in r.accepted], depth)
         trial = {
             "topk": topk,
             "depth": depth,
             "num_draft_tokens": n,
-            "tokens_per_s": tokens / seconds,
-            "tau": 1 + sum(sum(r.accepted) for r in runs) / max(steps, 1),
+            "tokens_per_s": sum(r.num_tokens for r in runs) / sum(r.seconds for r in runs),
+            "tau": tau,
         }
         log.info("autotune %s", trial)
         trials.append(trial)
@@ -313,18 +211,6 @@ def autotune(decoders: Decoders, s: Settings, questions: list[Question]) -> dict
     return {"prompts": len(sample), "trials": trials, "best": best}
 
 
-def machine() -> dict:
-    return {
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-        "torch": torch.__version__,
-        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
-    }
-
-
 def run_eval(
     s: Settings,
     questions: list[Question],
@@ -332,39 +218,32 @@ def run_eval(
     progress: bool = True,
 ) -> dict:
     """Every question through every decoder; returns the results dict (see eval.report)."""
-    from tqdm.auto import tqdm
-
     from eagletools.eval import bandwidth
-    from eagletools.eval.metrics import summarize
 
     decoders = decoders or load_decoders(s)
-    at_start = machine()
     tuned = None
     if s.autotune:
         if decoders.speculative is None:
             raise UserError("--autotune needs --draft: it searches the speculative tree shape")
         tuned = autotune(decoders, s, questions)
-    _warm_up(decoders, s, questions)
+    reserve(decoders, s, questions)
     generator = torch.Generator(device=s.device).manual_seed(s.seed)
-    records = []
-    for question in tqdm(questions, desc="eval", unit="prompt", disable=not progress):
-        records.append(evaluate_question(decoders, s, question, generator))
-    summary = summarize(records, s.depth)
-    return {
-        "settings": asdict(s),
-        # other jobs on a shared machine skew timings: the load average says how much
-        "machine": at_start | {"load_average_at_end": machine()["load_average_at_start"]},
-        "summary": summary,
-        "bandwidth": bandwidth.achieved(decoders.runtime, summary["tokens_per_s"], s.device),
-        "autotune": tuned,
-        "per_prompt": records,
-    }
+    timed = methods(decoders, s, generator)
+    tokenizer = decoders.target.tokenizer
+    measured = run_methods([timed], questions, tokenizer, progress)
+    results = build_results(asdict(s), s.depth, questions, measured, timed, autotune=tuned)
+    for q, r, ours, hf in zip(questions, results["per_prompt"], measured.runs["baseline"],
+                              measured.runs.get("hf_generate", []), strict=False):  # fmt: skip
+        if "hf_difference" in r:
+            r["hf_difference"] = _logit_gap(decoders.target, q, ours, hf, r["hf_difference"])
+    tps = results["summary"]["tokens_per_s"]
+    results["bandwidth"] = bandwidth.achieved(decoders.runtime, tps, s.device)
+    return results
 
 
-def _warm_up(decoders: Decoders, s: Settings, questions: list[Question]) -> None:
-    """A KV cache for the longest conversation, then one short run each, so neither
-    allocation nor compilation is timed: a compiled step (`--compile`) and a captured
-    CUDA graph are made again for every cache allocation."""
+def reserve(decoders: Decoders, s: Settings, questions: list[Question]) -> None:
+    """A KV cache for the longest conversation, so no allocation is timed: a compiled step
+    (`--compile`) and a captured CUDA graph are made again for every cache allocation."""
     tokenizer = decoders.target.tokenizer
     longest = max(
         len(chat_ids(tokenizer, [{"role": "user", "content": t} for t in q.turns]))
@@ -372,8 +251,3 @@ def _warm_up(decoders: Decoders, s: Settings, questions: list[Question]) -> None
         for q in questions
     )
     decoders.runtime.reserve(longest + s.num_draft_tokens + 1)
-    ids = chat_ids(tokenizer, [{"role": "user", "content": "Hello"}])
-    for decoder in (decoders.baseline, decoders.speculative):
-        if decoder is not None:
-            decoder.generate(ids, 8, s.sampling)
-            decoder.reset()

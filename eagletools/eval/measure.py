@@ -1,0 +1,209 @@
+"""The one benchmark loop: questions through methods, records, results.json's dict.
+
+Methods entered together (a group) take each prompt in turn, so a change in
+machine load hits them alike; groups run one after another (an engine's plain
+server, then its server with the draft). Multi-turn questions feed each method
+its own earlier answers through the target's chat template. The load average
+is sampled around the timed runs, beside this process tree's own CPU use, so
+a report can say when other work skewed the timings (eval.report).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+
+from eagletools.data.chat import chat_ids
+from eagletools.engines import Counters
+from eagletools.eval.benchmarks import Question
+from eagletools.eval.methods import Method
+from eagletools.eval.metrics import match_fields, summarize
+
+
+@dataclass
+class Run:
+    """One question through one method: each turn's tokens, and the sums over its turns."""
+
+    tokens: list[list[int]]
+    seconds: float
+    accepted: list[int] | None = None
+    counters: Counters | None = None
+    engine_tokens_per_s: list[float] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
+    def record(self) -> dict:
+        n = self.num_tokens
+        out = {"new_tokens": n, "seconds": round(self.seconds, 4),
+               "tokens_per_s": n / self.seconds if self.seconds else 0.0}  # fmt: skip
+        if self.accepted is not None:
+            out["accepted"] = self.accepted
+        if self.counters is not None:
+            out["acceptance"] = asdict(self.counters)
+        if readings := self.engine_tokens_per_s:
+            out["engine_tokens_per_s"] = sum(readings) / len(readings)
+        return out
+
+
+def converse(method: Method, tokenizer, turns: Sequence[str]) -> Run:
+    """Each user turn in order; the reply (text of the generated tokens) joins the history."""
+    messages, done = [], []
+    for turn in turns:
+        messages.append({"role": "user", "content": turn})
+        done.append(method.generate(chat_ids(tokenizer, messages)))
+        reply = tokenizer.decode(done[-1].tokens, skip_special_tokens=True).strip()
+        messages.append({"role": "assistant", "content": reply})
+    accepted = [c.accepted for c in done if c.accepted is not None]
+    counters = [c.counters for c in done if c.counters is not None]
+    return Run(
+        [c.tokens for c in done],
+        sum(c.seconds for c in done),
+        [a for turn in accepted for a in turn] if accepted else None,
+        sum(counters, Counters()) if counters else None,
+        [c.engine_tokens_per_s for c in done if c.engine_tokens_per_s],
+    )
+
+
+def machine() -> dict:
+    import torch
+
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "torch": torch.__version__,
+        "load_average_at_start": _load_average(),
+    }
+
+
+def _load_average() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def _own_cpu_seconds() -> float:
+    """CPU seconds of this process and its children (an engine's server is ours too)."""
+    import psutil  # accelerate's dependency
+
+    me = psutil.Process()
+    total = 0.0
+    for p in [me, *me.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):
+            times = p.cpu_times()
+            total += times.user + times.system
+    return total
+
+
+class LoadMeter:
+    """The 1-minute load average sampled around timed runs, less our own busy CPUs."""
+
+    def __init__(self) -> None:
+        self.samples: list[float] = []
+        self.cpu = self.wall = 0.0
+
+    def sample(self) -> None:
+        self.samples.append(os.getloadavg()[0])
+
+    @contextlib.contextmanager
+    def timing(self) -> Iterator[None]:
+        cpu, start = _own_cpu_seconds(), time.perf_counter()
+        self.sample()
+        try:
+            yield
+        finally:
+            self.sample()
+            self.cpu += _own_cpu_seconds() - cpu
+            self.wall += time.perf_counter() - start
+
+    def result(self) -> dict:
+        peak = max(self.samples, default=os.getloadavg()[0])
+        own = self.cpu / self.wall if self.wall else 0.0
+        return {"max": round(peak, 2), "own_cpus": round(own, 2),
+                "others": round(max(peak - own, 0.0), 2), "samples": len(self.samples)}  # fmt: skip
+
+
+@dataclass
+class Measured:
+    runs: dict[str, list[Run]]  # by method key, one per question
+    machine: dict  # machine() at the start, the load average at the end and during timing
+
+
+def run_methods(
+    groups: Sequence[Sequence[Method]],
+    questions: list[Question],
+    tokenizer,
+    progress: bool = True,
+) -> Measured:
+    """Every question through every method; each group entered, warmed up on a short
+    prompt (first allocations and compilation untimed), then timed prompt by prompt."""
+    from tqdm.auto import tqdm
+
+    warm_up = chat_ids(tokenizer, [{"role": "user", "content": "Hello"}])
+    at_start, meter = machine(), LoadMeter()
+    runs: dict[str, list[Run]] = {}
+    for group in groups:
+        with contextlib.ExitStack() as stack:
+            for method in group:
+                stack.enter_context(method).generate(warm_up, 8)
+            desc = " / ".join(m.key for m in group)
+            for q in tqdm(questions, desc=desc, unit="prompt", disable=not progress):
+                with meter.timing():
+                    for method in group:
+                        method.reset()
+                        runs.setdefault(method.key, []).append(converse(method, tokenizer, q.turns))
+    at_end = {"load_average_at_end": _load_average(), "load_during_timing": meter.result()}
+    return Measured(runs, at_start | at_end)
+
+
+def first_difference(a: list[list[int]], b: list[list[int]]) -> tuple[int, int] | None:
+    """(turn, token index) where two outputs first differ, or None."""
+    for turn, (x, y) in enumerate(zip(a, b, strict=True)):
+        for i in range(max(len(x), len(y))):
+            if i >= len(x) or i >= len(y) or x[i] != y[i]:
+                return turn, i
+    return None
+
+
+def record(question: Question, runs: dict[str, Run], methods: Sequence[Method]) -> dict:
+    """One question's record: each method's figures, and its match with its reference."""
+    out = {"id": question.id, "category": question.category, "turns": len(question.turns)}
+    for m in methods:
+        out[m.key] = runs[m.key].record()
+    for m in methods:
+        if m.reference is None:
+            continue
+        match, where = match_fields(m.key)
+        diff = first_difference(runs[m.key].tokens, runs[m.reference].tokens)
+        out[match] = diff is None
+        if diff is not None:
+            out[where] = {"turn": diff[0], "index": diff[1]}
+    return out
+
+
+def build_results(
+    settings: dict,
+    depth: int,
+    questions: list[Question],
+    measured: Measured,
+    methods: Sequence[Method],
+    **extra,
+) -> dict:
+    """The results dict written as results.json (schema in eval.report)."""
+    records = [
+        record(q, {k: runs[i] for k, runs in measured.runs.items()}, methods)
+        for i, q in enumerate(questions)
+    ]
+    return {
+        "settings": settings,
+        "machine": measured.machine,
+        "summary": summarize(records, depth),
+        **extra,
+        "per_prompt": records,
+    }
