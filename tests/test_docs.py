@@ -245,6 +245,8 @@ def check_other(argv: list[str], where: str) -> None:
             assert set(spec) <= VLLM_SPEC_KEYS, f"{where}: not vLLM's: {set(spec) - VLLM_SPEC_KEYS}"
     elif prog.startswith("python") and argv[1:2] == ["-m"]:
         assert argv[2] in KNOWN_MODULES, f"{where}: unknown module {argv[2]}"
+    elif prog.startswith("python") and argv[1].startswith("benchmarks/"):
+        assert (ROOT / argv[1]).is_file(), f"{where}: no script {argv[1]} in the repository"
     elif prog.startswith("python"):
         assert Path(argv[1]).name in KNOWN_SCRIPTS, f"{where}: unknown script {argv[1]}"
     else:
