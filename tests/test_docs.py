@@ -584,3 +584,30 @@ def test_help_examples_read_what_examples_write():
         assert any(path == w or path.startswith(w + "/") for w in writes), (
             f"`{example}` reads {path}, which no example writes (writes: {sorted(writes)})"
         )
+
+
+def test_internals_names_every_module():
+    """docs/internals.md maps the code: every module under eagletools/ (each .py but
+    `__init__`) is named there by its path below eagletools/ (`decode/engine.py`), or a
+    top-level one by its file name (`vocab.py`)."""
+    page = (ROOT / "docs" / "internals.md").read_text()
+    missing = []
+    for path in sorted((ROOT / "eagletools").rglob("*.py")):
+        if path.name == "__init__.py":
+            continue
+        rel = path.relative_to(ROOT / "eagletools").as_posix()
+        # `attention.py` is not named by `kernels/attention.py`
+        if not re.search(rf"(?<![\w/]){re.escape(rel)}|eagletools/{re.escape(rel)}", page):
+            missing.append(rel)
+    assert not missing, f"docs/internals.md does not name these modules: {missing}"
+
+
+def test_readme_layout_names_every_package():
+    """README's Layout names every package and top-level module under eagletools/."""
+    readme = (ROOT / "README.md").read_text()
+    layout = readme.split("## Layout", 1)[1]
+    top = ROOT / "eagletools"
+    names = [f"{p.name}/" for p in top.iterdir() if (p / "__init__.py").is_file()]
+    names += [p.stem for p in top.glob("*.py") if p.name != "__init__.py"]
+    missing = [n for n in sorted(names) if not re.search(rf"(?<![\w/]){re.escape(n)}", layout)]
+    assert not missing, f"README.md's Layout does not name: {missing}"
