@@ -22,12 +22,12 @@ def compile_frozen(fn: Callable, dynamic_sources: str) -> Callable:
     Dynamic from the first call: a graph specialised to the first call's values
     would run that call with other kernels than the next ones. The settings are
     applied around each call, not in `torch.compile`'s `options`, whence freezing
-    did not reach the CPU's weight packing (29.9 against 21.5 ms per SmolLM2 token).
+    did not reach the CPU's weight packing (a slower step; docs/lab.md, Part 3).
 
     On CPU the graph's wrapper is C++ (`cpp_wrapper`), not Python: a SmolLM2
-    decode step calls ~300 kernels, and Python's per-call cost was 7-11% of the
-    step (1.08x and 1.12x faster, interleaved in one process on 2 cores; same
-    logits bit for bit). That wrapper is a Python extension, built only where
+    decode step calls ~300 kernels, and Python's per-call cost is a measurable
+    share of the step (docs/lab.md, Part 3; the same logits bit for bit). That
+    wrapper is a Python extension, built only where
     Python's headers are installed (`python3-dev`); on CUDA the step is replayed
     from a CUDA graph anyway.
 
@@ -87,10 +87,10 @@ def cpu_gemm_template() -> dict:
     """Inductor settings that build every CPU linear from inductor's C++ GEMM template
     instead of calling oneDNN.
 
-    SmolLM2's 121 linears of one bf16 row took 10.9 ms as the template's kernels
-    against 21.5 ms through oneDNN's packed ones (an EPYC, Zen 4, 2 cores; medians
-    of 7); 2 to 4 rows cost about the same, but from 5 rows the template's fp32
-    multiply-adds bound it (6 rows 31 against 19 ms), which is why small trees win.
+    For one bf16 row the template's kernels are faster than oneDNN's packed ones,
+    and 2 to 4 rows cost about the same as one, but from 5 rows the template's
+    fp32 multiply-adds bound it and oneDNN is faster, which is why small trees win
+    (docs/lab.md, Part 3).
 
     The template is the only backend, so nothing is timed between backends and
     every graph computes a row alike: each output is one fp32 multiply-add chain

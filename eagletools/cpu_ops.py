@@ -3,17 +3,14 @@
 Linears: `F.linear` in bf16 on CPU reorders the weight into oneDNN's blocked
 layout at every call. Packing it once (what inductor's CPU freezing does) makes
 products of 1 to 64 rows (a decoded token, a draft tree, a regeneration batch)
-faster than `F.linear`: one row 1.3-3.1x in benchmarks/gemv.py (under load);
-against `torch.mv` a whole one-token SmolLM2 forward measured 1.006x under
-load 5 (issue 16 measured 1.89x on an idle machine: to be timed again there).
-From a few hundred rows (training) plain `F.linear` wins again. Up to 64 rows the
+faster than `F.linear` (benchmarks/gemv.py times it; figures in docs/lab.md,
+Part 3). From a few hundred rows (training) plain `F.linear` wins again. Up to 64 rows the
 packed bf16 product of a row does not depend on how many rows share the call
 (bitwise); fp32 products do. That takes two cares. oneDNN has its own kernel for
 a single row, which on AVX-512 CPUs without AMX rounds some outputs apart from
 the many-row kernel (6 of 64 rows at [576, 1536], SmolLM2's down projection),
-so under exact numerics a lone row runs as two. That costs 23% of a token's
-linears (SmolLM2's 121 and its head: 17.9 against 14.6 ms, median of 7, idle
-machine without AMX). And on a Xeon with AMX, products of 33 to 64 rows
+so under exact numerics a lone row runs as two, which makes a token's linears
+slower on such CPUs (docs/lab.md, Part 3). And on a Xeon with AMX, products of 33 to 64 rows
 rounded apart from 32 or fewer (every such row count, at all three of
 SmolLM2's shapes tested): rows run in blocks of at most 32, on every CPU.
 `--fast-numerics` skips both. The packed copy lives
@@ -25,8 +22,9 @@ Attention's batched products under `torch.compile` on CPU: one opaque op
 inductor's C++ GEMM template (`compiling.compile_frozen`), which has no form for
 these (a dynamic key count, float64).
 
-Argmax over a vocabulary: `max(dim).indices` is 2.5-4x faster than `argmax` on
-CPU (bf16 and fp32) and keeps its rule for ties, the first maximum.
+Argmax over a vocabulary: `max(dim).indices` is faster than `argmax` on CPU
+(bf16 and fp32; docs/lab.md, Part 3) and keeps its rule for ties, the first
+maximum.
 """
 
 from __future__ import annotations

@@ -72,10 +72,10 @@ def fast_matmul_dtype(device: torch.device) -> torch.dtype:
     """The dtype whose large matmuls run fastest on `device`.
 
     bf16 on CUDA and on CPUs with AMX tiles, fp32 on CPUs without bf16 dot
-    products. CPUs with AVX-512 bf16 dot products and no AMX differ, so one
-    product is timed in both dtypes, once per process: on 2 cores at [512, 576]
-    x [576, 1536], a Xeon ran bf16 at 0.6x fp32's speed (159 against 257
-    GFLOPS), an EPYC (Zen 4) at 2.1-2.4x (`cpu_bf16_speedup`). Compute-bound work that
+    products. CPUs with AVX-512 bf16 dot products and no AMX differ (on some bf16
+    is the slower, on others the faster: docs/lab.md, Part 3), so one product is
+    timed in both dtypes, once per process, at [512, 576] x [576, 1536]
+    (`cpu_bf16_speedup`). Compute-bound work that
     may choose its dtype (training under `precision: auto`, Muon's Newton-Schulz
     iterations) asks here.
     """

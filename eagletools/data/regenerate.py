@@ -104,8 +104,8 @@ def local_generator(
     """Replies from a local target, `batch_size` histories at a time; histories
     longer than `max_prompt_tokens` are declined (None).
 
-    Llama-family targets run in the decoding runtime (static KV cache, ~1.6x HF
-    `generate` on CPU), which also keeps the states at `capture_layer_ids` and the
+    Llama-family targets run in the decoding runtime (static KV cache, faster
+    than HF `generate` on CPU: docs/lab.md, Part 3), which also keeps the states at `capture_layer_ids` and the
     final norm's when given; other architectures fall back to HF `generate`.
     """
     import torch

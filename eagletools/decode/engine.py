@@ -355,7 +355,7 @@ class SpeculativeDecoder(BaselineDecoder):
         n, *read = torch.cat([n_acc, new, sources[0]]).tolist()
         slots = read[self.path_rows : self.path_rows + n + 1]
         # outside the graph: inductor copied whole caches to move a few entries after
-        # the forward's writes (30 layers of 4096 slots: 95 ms, eagerly 1.5); a path
+        # the forward's writes, far slower than eagerly (docs/lab.md, Part 3); a path
         # whose nodes sit in their own slots (a chain's always do) moves none
         if any(slot != length + i for i, slot in enumerate(slots)):
             self.model.kv_cache.compact(sources, length)

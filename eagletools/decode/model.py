@@ -136,8 +136,8 @@ class KVCache:
     """K and V of every layer, one tensor each: [n_layers, B, n_kv_heads, S_max, head_dim].
 
     One tensor, not one per layer: after verification `compact` moves every
-    layer's accepted entries in one op, not 30 (SmolLM2 shapes, 6 path rows:
-    0.3 ms of CPU time instead of 2.1 ms; on CUDA one launch instead of 30).
+    layer's accepted entries in one op, not one per layer (on CUDA one launch;
+    timed in docs/lab.md, Part 3).
     Layer i reads and writes its views `layers[i]`.
     """
 
@@ -202,9 +202,9 @@ def attention(q, k, v, mask: torch.Tensor | None, exact: bool = True) -> torch.T
     None: the T queries are the last T keys, each seeing the keys up to itself.
 
     On CPU, for the few queries of decoding and tree verification, fp32
-    matmuls with the query heads grouped per KV head beat CPU SDPA by 2-8x (its
-    flash path pays per key block) and bf16 matmuls by 1.5-2x; long prefills
-    keep SDPA. On GPU, SDPA in the model's dtype: no fp32 copy of the KV cache.
+    matmuls with the query heads grouped per KV head beat CPU SDPA (its flash
+    path pays per key block) and bf16 matmuls (docs/lab.md, Part 3); long
+    prefills keep SDPA. On GPU, SDPA in the model's dtype: no fp32 copy of the KV cache.
 
     `exact` (CPU): a query's output does not depend on which other queries
     share the call or where in a tree its keys sit, so speculative decoding
@@ -522,8 +522,8 @@ def compiled(model: Transformer) -> Callable[..., tuple[torch.Tensor, torch.Tens
 
     The norms, rotary, SiLU and attention's softmax fuse into a few kernels
     instead of ~1,600 eager ops per token, and the linears are inductor's own
-    (`compiling.cpu_gemm_template`): SmolLM2 in bf16 on 2 cores (an EPYC) decodes
-    at 63.8 tokens/s against 42.4 with oneDNN's linears (docs/results.md).
+    (`compiling.cpu_gemm_template`), faster than oneDNN's for a few rows
+    (docs/lab.md, Part 3).
 
     A row's result never depends on the call. A lone token runs as the root of
     a two-node chain (itself twice; the copy's K/V lands in the next slot, which
@@ -535,8 +535,8 @@ def compiled(model: Transformer) -> Callable[..., tuple[torch.Tensor, torch.Tens
 
     `start` is dynamic from the first call; each row count (a token, each tree
     size) and each KV cache allocation gets its own graph, about a minute to
-    compile on 2 CPU cores. A graph dynamic in the row count too ran slower
-    (33 against 24.7 ms a token: its linears and attention lose their sizes).
+    compile on 2 CPU cores. A graph dynamic in the row count too ran slower:
+    its linears and attention lose their sizes (docs/lab.md, Part 3).
     """
 
     def step(input_ids, positions, start, tree_mask, aux_layer_ids):

@@ -27,7 +27,7 @@ from eagletools.eval.metrics import acceptance
 log = logging.getLogger(__name__)
 
 # (topk, depth, num_draft_tokens) shapes --autotune times: chains and small-to-large trees,
-# the small ones for where drafting costs much beside a verify (2 CPU cores: a third, issue 16)
+# the small ones for where drafting costs much beside a verify (on CPUs: issue 16)
 # and for compiled CPU steps, where 5 or more rows verify at well over one row's cost
 AUTOTUNE_GRID = (
     (1, 1, 2),

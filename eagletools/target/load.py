@@ -149,8 +149,8 @@ def load_config(spec: str | Path) -> Any:
 def dequantised_folder(spec: str | Path) -> Path | None:
     """A GGUF target dequantised once into an HF folder (fp32) in the cache.
 
-    Dequantising the built-in target takes 20-45 s on 2 cores; every later
-    load reads plain safetensors in seconds. The folder is keyed by the GGUF
+    The dequantisation runs once (timed in docs/lab.md, Part 3); every later load
+    reads plain safetensors. The folder is keyed by the GGUF
     file's identity and written atomically under a lock, so concurrent loads
     and an interrupted first load are safe. None for non-GGUF specs.
     """

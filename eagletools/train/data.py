@@ -45,8 +45,8 @@ class ArgmaxMemo:
     """The target's full-vocab argmax per sample, kept from its first computation.
 
     Offline, a sample's hidden states are the same in every epoch, but its argmax
-    takes a [T, V] product (the teacher's larger half: ~30 of ~260 ms per step on
-    CPU for SmolLM2). Later epochs and held-out evaluations reuse it at 4 bytes
+    takes a [T, V] product (the teacher's larger half; docs/lab.md, Part 3).
+    Later epochs and held-out evaluations reuse it at 4 bytes
     per token.
     """
 

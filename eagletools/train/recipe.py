@@ -171,7 +171,7 @@ class TrainingSection:
     log_every: int = 10
     max_bad_steps: int = 5  # stop after this many non-finite losses in a row
     attn_chunk: int = 512  # query chunk of the TTT attention (memory vs speed)
-    compile: bool = False  # torch.compile the training unroll: ~1 min once, then faster steps
+    compile: bool = False  # torch.compile the training unroll: compiling once, then faster steps
     num_threads: int | None = None  # torch CPU threads (None: torch's default)
 
     def checks(self) -> list[Check]:
