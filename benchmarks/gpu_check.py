@@ -330,17 +330,27 @@ def max_error(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...]) -> 
 
 
 def kernel_cases(ctx: Context) -> list[KernelCase]:
-    from eagletools.kernels import attention, draft_topk, greedy_verify, kv_compact, sampling_verify
-    from eagletools.vocab import DraftVocab
+    """Every kernel on fresh inputs of the plan's sizes, made by the kernel tests' makers."""
+    tk = repo_module("tests/test_kernels.py")
+    return [
+        *_attention_cases(ctx, tk),
+        *_greedy_cases(ctx, tk),
+        *_topk_cases(ctx, tk),
+        _compact_case(ctx, tk),
+        *_sampling_cases(ctx, tk),
+    ]
 
-    tk = repo_module("tests/test_kernels.py")  # the kernel tests' input makers
-    ancestor_mask, generator, random_tree = tk.ancestor_mask, tk.generator, tk.random_tree
-    greedy_inputs, sampling_inputs = tk.greedy_inputs, tk.sampling_inputs
+
+def _attention_cases(ctx: Context, tk: Any) -> list[KernelCase]:
+    """Tree attention over a prefix, bf16 as the decoder runs it."""
+    from eagletools.kernels import attention
+
     p, dev = ctx.plan, ctx.device
     hq, hkv, d = p.heads
     bf16 = torch.bfloat16
+    ancestor_mask, generator, random_tree = tk.ancestor_mask, tk.generator, tk.random_tree
     cases = []
-    for n in p.tree_sizes:  # tree attention over a prefix, bf16 as the decoder runs it
+    for n in p.tree_sizes:
         gen = generator("gpu_check attention", n)
         s_max = p.prefix + n + 64
         q = torch.randn(1, n, hq, d, generator=gen).to(bf16).transpose(1, 2).to(dev)  # as made
@@ -366,9 +376,17 @@ def kernel_cases(ctx: Context) -> list[KernelCase]:
                     (attention.tree_attention_reference(*a),)),
                 kv_read + 2 * q.nbytes + mask.nbytes, 2e-2,
             ))  # fmt: skip
+    return cases
 
-    for n in p.tree_sizes:  # greedy verification: trees whose paths get long
-        inputs = tuple(t.to(dev) for t in greedy_inputs(1, n, p.vocab, generator("greedy", n)))
+
+def _greedy_cases(ctx: Context, tk: Any) -> list[KernelCase]:
+    """Greedy verification: trees whose paths get long."""
+    from eagletools.kernels import greedy_verify
+
+    p, dev, generator = ctx.plan, ctx.device, tk.generator
+    cases = []
+    for n in p.tree_sizes:
+        inputs = tuple(t.to(dev) for t in tk.greedy_inputs(1, n, p.vocab, generator("greedy", n)))
         cases.append(KernelCase(
             "verify_greedy", f"B=1 N={n}",
             lambda a=inputs: greedy_verify.verify_greedy_triton(*a),
@@ -379,14 +397,23 @@ def kernel_cases(ctx: Context) -> list[KernelCase]:
                 greedy_verify.verify_greedy_reference(*a)),
             4 * inputs[0].nbytes + 16, 0.0,
         ))  # fmt: skip
+    return cases
 
-    gen = generator("topk")
+
+def _topk_cases(ctx: Context, tk: Any) -> list[KernelCase]:
+    """The draft's top-k with the draft -> target id map."""
+    from eagletools.kernels import draft_topk
+    from eagletools.vocab import DraftVocab
+
+    p, dev = ctx.plan, ctx.device
+    cases = []
+    gen = tk.generator("topk")
     vocab = DraftVocab.from_selected(torch.randperm(p.vocab, generator=gen)[: p.draft_vocab],
                                      p.vocab)  # fmt: skip
     d2t, selected = vocab.d2t.to(dev), vocab.selected.to(dev)
-    for m in p.topk_rows:  # the draft's top-k with the draft -> target id map
+    for m in p.topk_rows:
         k_top = 8 if ctx.cuda else 4
-        logits = torch.randn(m, p.draft_vocab, generator=gen).to(bf16).to(dev)
+        logits = torch.randn(m, p.draft_vocab, generator=gen).to(torch.bfloat16).to(dev)
         args = (logits, d2t, k_top)
         cases.append(KernelCase(
             "topk_d2t", f"M={m} Vd={p.draft_vocab} k={k_top} bf16",
@@ -395,22 +422,39 @@ def kernel_cases(ctx: Context) -> list[KernelCase]:
             lambda a=args: topk_error(a, selected),
             logits.nbytes + m * k_top * 12, 1e-4,
         ))  # fmt: skip
+    return cases
 
-    tree, accepted = max(p.tree_sizes), 8 if ctx.cuda else 3  # compact an accepted path
-    gen = generator("compact")
-    kc = torch.randn(1, hkv, p.prefix + tree + 16, d, generator=gen).to(bf16).to(dev)
+
+def _compact_case(ctx: Context, tk: Any) -> KernelCase:
+    """Compact an accepted path's K/V into place."""
+    from eagletools.kernels import kv_compact
+
+    p, dev = ctx.plan, ctx.device
+    _, hkv, d = p.heads
+    tree, accepted = max(p.tree_sizes), 8 if ctx.cuda else 3
+    gen = tk.generator("compact")
+    kc = torch.randn(1, hkv, p.prefix + tree + 16, d, generator=gen).to(torch.bfloat16).to(dev)
     vc = torch.randn_like(kc)
     src = (p.prefix + torch.randperm(tree, generator=gen)[:accepted].sort().values)[None].to(dev)
-    cases.append(KernelCase(
+    return KernelCase(
         "compact_kv", f"one layer, Hkv={hkv} D={d}: {accepted} of {tree} nodes to {p.prefix}",
         lambda: kv_compact.compact_kv_triton(kc, vc, src, p.prefix),
         lambda: kv_compact.compact_kv_reference(kc, vc, src, p.prefix),
         lambda: compact_error(kc, vc, src, p.prefix),
         2 * 2 * hkv * accepted * d * kc.element_size() + src.nbytes, 0.0,
-    ))  # fmt: skip
+    )  # fmt: skip
 
-    for n in p.tree_sizes:  # lossless sampling over the full target vocab
-        inputs = tuple(t.to(dev) for t in sampling_inputs(1, n, p.vocab, generator("sampling", n)))
+
+def _sampling_cases(ctx: Context, tk: Any) -> list[KernelCase]:
+    """Lossless sampling over the full target vocab."""
+    from eagletools.kernels import sampling_verify
+
+    p, dev, generator = ctx.plan, ctx.device, tk.generator
+    cases = []
+    for n in p.tree_sizes:
+        inputs = tuple(
+            t.to(dev) for t in tk.sampling_inputs(1, n, p.vocab, generator("sampling", n))
+        )
         walked = int(sampling_verify.verify_sampling_reference(*inputs)[1].sum()) + 1
         cases.append(KernelCase(
             "verify_sampling", f"B=1 N={n} V={p.vocab} fp32 ({walked} rows walked)",
