@@ -109,6 +109,10 @@ SGLJAX_COMMIT ?= cddbf6f1cc33cbdd453bd8f36ff7051cf46ca176
 SGLJAX_SRC    ?= git+https://github.com/sgl-project/sglang-jax@$(SGLJAX_COMMIT)\#subdirectory=python
 
 $(SGLJAX_VENV)/.installed:
+	@$(SGLJAX_PYTHON) -c 'import sys; assert sys.version_info >= (3, 12)' 2>/dev/null || { \
+	  echo "sgl-jax needs Python 3.12 or newer, and '$(SGLJAX_PYTHON)' is not one that runs here:" \
+	       "make interop-sgljax SGLJAX_PYTHON=/path/to/python3.12 (pyenv: ~/.pyenv/versions/3.12.*/bin/python3.12)" >&2; \
+	  exit 1; }
 	$(SGLJAX_PYTHON) -m venv $(SGLJAX_VENV)
 	$(SGLJAX_VENV)/bin/pip install -q --upgrade pip
 	$(SGLJAX_VENV)/bin/pip install -q "sglang-jax[cpu] @ $(SGLJAX_SRC)"
