@@ -329,6 +329,19 @@ def max_error(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...]) -> 
     return worst
 
 
+def exact_case(
+    name: str, shape: str, triton_fn: Callable, reference_fn: Callable, inputs: tuple, nbytes: int
+) -> KernelCase:
+    """A kernel whose outputs must equal its reference's exactly, checked into poisoned
+    outputs (a slot the kernel forgets keeps its poison)."""
+    return KernelCase(
+        name, shape, lambda: triton_fn(*inputs), lambda: reference_fn(*inputs),
+        lambda: max_error(triton_fn(*inputs, out=poisoned(*reference_fn(*inputs))),
+                          reference_fn(*inputs)),
+        nbytes, 0.0,
+    )  # fmt: skip
+
+
 def kernel_cases(ctx: Context) -> list[KernelCase]:
     """Every kernel on fresh inputs of the plan's sizes, made by the kernel tests' makers."""
     tk = repo_module("tests/test_kernels.py")
@@ -387,15 +400,9 @@ def _greedy_cases(ctx: Context, tk: Any) -> list[KernelCase]:
     cases = []
     for n in p.tree_sizes:
         inputs = tuple(t.to(dev) for t in tk.greedy_inputs(1, n, p.vocab, generator("greedy", n)))
-        cases.append(KernelCase(
-            "verify_greedy", f"B=1 N={n}",
-            lambda a=inputs: greedy_verify.verify_greedy_triton(*a),
-            lambda a=inputs: greedy_verify.verify_greedy_reference(*a),
-            lambda a=inputs: max_error(
-                greedy_verify.verify_greedy_triton(
-                    *a, out=poisoned(*greedy_verify.verify_greedy_reference(*a))),
-                greedy_verify.verify_greedy_reference(*a)),
-            4 * inputs[0].nbytes + 16, 0.0,
+        cases.append(exact_case(
+            "verify_greedy", f"B=1 N={n}", greedy_verify.verify_greedy_triton,
+            greedy_verify.verify_greedy_reference, inputs, 4 * inputs[0].nbytes + 16,
         ))  # fmt: skip
     return cases
 
@@ -456,15 +463,10 @@ def _sampling_cases(ctx: Context, tk: Any) -> list[KernelCase]:
             t.to(dev) for t in tk.sampling_inputs(1, n, p.vocab, generator("sampling", n))
         )
         walked = int(sampling_verify.verify_sampling_reference(*inputs)[1].sum()) + 1
-        cases.append(KernelCase(
+        cases.append(exact_case(
             "verify_sampling", f"B=1 N={n} V={p.vocab} fp32 ({walked} rows walked)",
-            lambda a=inputs: sampling_verify.verify_sampling_triton(*a),
-            lambda a=inputs: sampling_verify.verify_sampling_reference(*a),
-            lambda a=inputs: max_error(
-                sampling_verify.verify_sampling_triton(
-                    *a, out=poisoned(*sampling_verify.verify_sampling_reference(*a))),
-                sampling_verify.verify_sampling_reference(*a)),
-            walked * p.vocab * 4, 0.0,
+            sampling_verify.verify_sampling_triton, sampling_verify.verify_sampling_reference,
+            inputs, walked * p.vocab * 4,
         ))  # fmt: skip
     return cases
 
