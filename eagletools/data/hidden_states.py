@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from eagletools.atomic import atomic_file, write_text
-from eagletools.data.batch import Batch, pad_right
+from eagletools.data.batch import Sample, SampleSource, pad_right
 from eagletools.data.captures import Captures
 from eagletools.errors import UserError
 from eagletools.target.anatomy import decoder_layers, embed_tokens, final_norm, lm_head
@@ -276,7 +276,7 @@ class _Sample:
     end: int
 
 
-class HiddenStateCache:
+class HiddenStateCache(SampleSource):
     """A complete cache, memory-mapped; a `SampleSource` for the trainer."""
 
     def __init__(self, root: Path, manifest: dict):
@@ -371,17 +371,10 @@ class HiddenStateCache:
         s = self.samples[index]
         return self.files[s.shard].get_slice(name)[s.start : s.end]
 
-    def batch(self, indices: list[int]) -> Batch:
-        t = max(self.length(i) for i in indices)
-        ids = [self._read(i, "input_ids").long() for i in indices]
-        return Batch(
-            input_ids=pad_right(ids, t),
-            loss_mask=pad_right([self.masks[i] for i in indices], t),
-            attention_mask=pad_right([torch.ones_like(x) for x in ids], t),
-            aux=pad_right([self._read(i, "aux") for i in indices], t),
-            last_hidden=pad_right([self._read(i, "last_hidden") for i in indices], t),
-            indices=list(indices),
-        )
+    def sample(self, index: int) -> Sample:
+        ids = self._read(index, "input_ids").long()
+        return Sample(ids, self.masks[index], self._read(index, "aux"),
+                      self._read(index, "last_hidden"))  # fmt: skip
 
     def bytes_per_token(self) -> float:
         size = sum(
