@@ -29,7 +29,10 @@ def capture_aux(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
     layer_ids: list[int] | None = None,
+    position_ids: torch.Tensor | None = None,
 ) -> AuxOutput:
+    """One forward; `attention_mask` is [B,T] (padding) or a 4-D additive mask
+    [B,1,T,T] that Hugging Face takes as it is (packed rows, with `position_ids`)."""
     base = decoder(model)
     n = len(base.layers)
     layer_ids = resolve_aux_layer_ids(layer_ids, n)
@@ -53,7 +56,8 @@ def capture_aux(
         for i in sorted(set(layer_ids))
     ]
     try:
-        out = base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        out = base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   use_cache=False)  # fmt: skip
     finally:
         for h in handles:
             h.remove()

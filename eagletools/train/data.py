@@ -8,16 +8,15 @@ on one.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 
-from eagletools.data.batch import Batch, SampleSource, pad_right
+from eagletools.data.batch import Batch, Sample, SampleSource
 from eagletools.errors import UserError
 
 
-class TokenSamples:
+class TokenSamples(SampleSource):
     """Tokenised samples (a prepared dataset) for online training."""
 
     def __init__(self, dataset: Any):
@@ -33,12 +32,8 @@ class TokenSamples:
     def loss_mask(self, index: int) -> torch.Tensor:
         return self.masks[index]
 
-    def batch(self, indices: list[int]) -> Batch:
-        t = max(self.length(i) for i in indices)
-        ids = pad_right([self.ids[i] for i in indices], t)
-        attention = pad_right([torch.ones_like(self.ids[i]) for i in indices], t)
-        masks = pad_right([self.masks[i] for i in indices], t)
-        return Batch(ids, masks, attention, indices=list(indices))
+    def sample(self, index: int) -> Sample:
+        return Sample(self.ids[index], self.masks[index])
 
 
 class ArgmaxMemo:
@@ -57,13 +52,14 @@ class ArgmaxMemo:
         """[B,T] argmax when every sample of the batch is known, else None."""
         if batch.indices is None or any(i not in self.rows for i in batch.indices):
             return None
-        rows = [self.rows[i] for i in batch.indices]
-        return pad_right(rows, batch.input_ids.shape[1]).long()
+        out = torch.zeros(batch.input_ids.shape, dtype=torch.long)
+        for (row, start, end), index in zip(batch.spans(), batch.indices, strict=True):
+            out[row, start:end] = self.rows[index]
+        return out
 
     def store(self, batch: Batch, argmax: torch.Tensor) -> None:
-        for row, index in enumerate(batch.indices or []):
-            n = int(batch.attention_mask[row].sum())
-            self.rows[index] = argmax[row, :n].to(torch.int32).cpu()
+        for (row, start, end), index in zip(batch.spans(), batch.indices or [], strict=True):
+            self.rows[index] = argmax[row, start:end].to(torch.int32).cpu()
 
 
 def trainable(source: SampleSource, indices: list[int]) -> tuple[list[int], int]:
@@ -105,16 +101,12 @@ def plan_epoch(
     return [batches[i] for i in perm]
 
 
-def steps_per_epoch(num_samples: int, global_batch: int, grad_accum: int) -> int:
-    return (num_samples // global_batch) // grad_accum
-
-
-def total_steps(num_samples: int, global_batch: int, grad_accum: int, epochs: float) -> int:
-    per_epoch = steps_per_epoch(num_samples, global_batch, grad_accum)
-    if per_epoch == 0:
+def steps_per_epoch(num_batches: int, grad_accum: int) -> int:
+    """Optimizer steps an epoch of `num_batches` global batches fills."""
+    if num_batches < grad_accum:
         raise UserError(
-            f"{num_samples} training samples do not fill one optimizer step of "
-            f"{global_batch * grad_accum} samples (batch_size x processes x grad_accum); "
-            "lower training.batch_size or training.grad_accum, or add data"
+            f"an epoch holds {num_batches} global batches, fewer than one optimizer step "
+            f"takes ({grad_accum}, training.grad_accum); lower training.batch_size, "
+            "training.grad_accum or training.pack_tokens, or add data"
         )
-    return max(1, math.ceil(per_epoch * epochs))
+    return num_batches // grad_accum

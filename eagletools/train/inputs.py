@@ -13,9 +13,10 @@ from typing import Any
 
 import torch
 
-from eagletools.data.batch import SampleSource
+from eagletools.data.batch import Batch, SampleSource
 from eagletools.data.jobs import DataSource, HiddenStatesJob, RegenerateJob
 from eagletools.train.data import TokenSamples
+from eagletools.train.packing import additive_mask, document_mask, document_positions
 from eagletools.train.recipe import TrainConfig
 from eagletools.train.ttt import target_argmax
 
@@ -140,15 +141,20 @@ def offline_inputs(config: TrainConfig, path: str | Path | None = None) -> Train
     )
 
 
-def features(inputs: TrainInputs, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """(aux [B,T,A*Ht], last_hidden [B,T,Ht]) for a batch."""
+def features(inputs: TrainInputs, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(aux [B,T,A*Ht], last_hidden [B,T,Ht]) for a batch; the target sees each
+    conversation of a packed row as if alone (its own mask and positions)."""
     if inputs.target_model is None:
         return batch.aux, batch.last_hidden
     from eagletools.target import capture_aux
 
-    out = capture_aux(
-        inputs.target_model, batch.input_ids, batch.attention_mask, inputs.aux_layer_ids
-    )
+    model, mask, positions = inputs.target_model, batch.attention_mask, None
+    if batch.documents is not None:
+        documents = batch.documents.to(model.device)
+        mask = additive_mask(document_mask(documents)[:, None], model.dtype)
+        positions = document_positions(documents)
+    out = capture_aux(model, batch.input_ids.to(model.device), mask.to(model.device),
+                      inputs.aux_layer_ids, positions)  # fmt: skip
     return out.aux, out.last_hidden
 
 

@@ -163,6 +163,9 @@ class TrainingSection:
     # runs the teacher (the target while training) in fp32
     seed: int = 0
     bucket_size: int = 64  # batches are drawn from length-sorted buckets of this many batches
+    pack_tokens: int = 0  # > 0: pack conversations end to end into rows of up to this many
+    # tokens (batch_size rows a micro-batch), each attending and taught as if alone;
+    # 0: one conversation a row, padded to the batch's longest (train.packing)
     eval_every: int = 200  # optimizer steps; 0: only at the end
     eval_batch_size: int = 8  # held-out conversations per forward (length-sorted, so
     # little padding): held-out metrics are per conversation, whatever the batch
@@ -204,6 +207,7 @@ class TrainingSection:
             (self.keep_last >= 1, "training.keep_last", "must be at least 1"),
             (self.max_bad_steps >= 1, "training.max_bad_steps", "must be at least 1"),
             (self.attn_chunk >= 1, "training.attn_chunk", "must be at least 1"),
+            (self.pack_tokens >= 0, "training.pack_tokens", "must be >= 0 (0: no packing)"),
         ]  # fmt: skip
 
 
@@ -267,6 +271,13 @@ class TrainConfig:
         for ok, key, why in (check for section in sections for check in section.checks()):
             if not ok:
                 raise UserError(f"{source}: {key} {why}")
+        if 0 < t.pack_tokens < self.data.max_length:
+            raise UserError(
+                f"{source}: training.pack_tokens={t.pack_tokens} is shorter than "
+                f"data.max_length={self.data.max_length}, so a row could not hold one whole "
+                f"conversation; set training.pack_tokens to at least {self.data.max_length} "
+                "(or 0: no packing)"
+            )
         from eagletools.formats.engines import check_recipe_options
 
         d = self.draft

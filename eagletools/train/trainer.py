@@ -34,7 +34,6 @@ from eagletools.train.data import (
     plan_epoch,
     split_indices,
     steps_per_epoch,
-    total_steps,
     trainable,
 )
 from eagletools.train.inputs import (
@@ -48,6 +47,7 @@ from eagletools.train.inputs import (
     training_dtype,
     vocab_counts,
 )
+from eagletools.train.packing import plan_packed_epoch
 from eagletools.train.recipe import TrainConfig, dump_config
 from eagletools.train.ttt import (
     StepStats,
@@ -175,7 +175,6 @@ class Trainer:
                 "x training.grad_accum x processes); use more data or a smaller "
                 "training.batch_size"
             )
-        self._plan: tuple[int, list[list[int]]] | None = None  # (epoch, its global batches)
         v, counted = c.vocab, self.train_idx[: c.vocab.count_samples]
         count = functools.partial(vocab_counts, self.inputs, counted, v.count, self.accelerator)
         self.vocab, self.vocab_report = run_vocab(
@@ -245,11 +244,12 @@ class Trainer:
         self.argmax_memo = ArgmaxMemo() if self.inputs.target_model is None else None
 
     def _setup_schedule(self) -> None:
-        """Total optimizer steps and warmup steps of the learning-rate schedule."""
+        """Total optimizer steps and warmup steps of the learning-rate schedule; a packed
+        epoch's row count varies a little with its shuffle, and the first one's stands in."""
         t = self.config.training
-        self.total = t.max_steps or total_steps(
-            len(self.train_idx), self.global_batch, t.grad_accum, t.num_epochs
-        )
+        self._plan: tuple[int, list[list[list[int]]]] | None = None  # (epoch, its batches)
+        per_epoch = steps_per_epoch(len(self._epoch_plan(0)), t.grad_accum)
+        self.total = t.max_steps or max(1, math.ceil(per_epoch * t.num_epochs))
         self.warmup = (
             t.warmup_steps if t.warmup_steps is not None else round(t.warmup_ratio * self.total)
         )
@@ -324,34 +324,40 @@ class Trainer:
         device = self.device
         aux, last_hidden = features(self.inputs, batch)
         probs, argmax = self._teacher(batch, last_hidden)
+        documents = None if batch.documents is None else batch.documents.to(device)
         with self.autocast():
             return self.model(
                 batch.input_ids.to(device), aux.to(device), batch.loss_mask.to(device),
-                probs, argmax, norm,
+                probs, argmax, norm, documents=documents,
             )  # fmt: skip
 
-    def _epoch_plan(self, epoch: int) -> list[list[int]]:
-        """The epoch's global batches, planned once per epoch rather than per step."""
+    def _epoch_plan(self, epoch: int) -> list[list[list[int]]]:
+        """The epoch's global batches of rows (positions into `train_idx`: one per row, or
+        packed), planned once per epoch rather than per step."""
         if self._plan is None or self._plan[0] != epoch:
-            t = self.config.training
+            t, n = self.config.training, self.global_batch
             lengths = [self.inputs.source.length(i) for i in self.train_idx]
-            plan = plan_epoch(lengths, self.global_batch, t.seed, epoch, t.bucket_size)
+            if t.pack_tokens:
+                plan = plan_packed_epoch(lengths, n, t.pack_tokens, t.seed, epoch, t.bucket_size)
+            else:
+                plan = [[[i] for i in b] for b in plan_epoch(lengths, n, t.seed, epoch,
+                                                             t.bucket_size)]  # fmt: skip
             self._plan = (epoch, plan)
         return self._plan[1]
 
     def _micro_batches(self) -> list[Any]:
         """This rank's share of the next `grad_accum` global batches (advancing epochs)."""
         t = self.config.training
-        per_epoch = steps_per_epoch(len(self.train_idx), self.global_batch, t.grad_accum)
-        if self.state.batch >= per_epoch * t.grad_accum:
-            self.state.epoch += 1
+        if self.state.batch + t.grad_accum > len(self._epoch_plan(self.state.epoch)):
+            self.state.epoch += 1  # the epoch's last whole optimizer step is done
             self.state.batch = 0
         plan = self._epoch_plan(self.state.epoch)
         start, rank = self.state.batch, self.accelerator.process_index
         out = []
         for global_batch in plan[start : start + t.grad_accum]:
             mine = global_batch[rank * t.batch_size : (rank + 1) * t.batch_size]
-            batch = self.inputs.source.batch([self.train_idx[i] for i in mine])
+            rows = [[self.train_idx[i] for i in row] for row in mine]
+            batch = self.inputs.source.pack(rows, t.pack_tokens or None)
             if t.loss_on == "all":  # the teacher is the target's distribution there too
                 batch = dataclasses.replace(batch, loss_mask=batch.attention_mask)
             out.append(batch)
@@ -386,7 +392,8 @@ class Trainer:
         t = self.config.training
         lr = self._set_lr()
         batches = self._micro_batches()
-        norm = sum(step_counts(b.loss_mask, t.ttt_steps) for b in batches).to(self.device)
+        norm = sum(step_counts(b.loss_mask, t.ttt_steps, b.documents) for b in batches)
+        norm = norm.to(self.device)
         norm = self.accelerator.reduce(norm, "sum") / self.accelerator.num_processes
         total = StepStats.zeros(1, t.ttt_steps, self.device)
         losses = []

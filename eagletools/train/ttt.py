@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from eagletools.cpu_ops import argmax
+from eagletools.train.packing import document_mask, document_positions, within_document
 
 
 def _attend_chunk(
@@ -29,14 +30,18 @@ def _attend_chunk(
     dv: torch.Tensor | None,
     start: int,
     scale: float,
+    documents: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B,kv,g,C,hd] at positions start.., k0/v0 [B,kv,S,hd] (S = start+C),
-    dk/dv [B,kv,C,j,hd] -> [B,kv,g,C,hd]."""
+    dk/dv [B,kv,C,j,hd], documents [B,S] (packed rows) -> [B,kv,g,C,hd]."""
     c, s = q.shape[-2], k0.shape[-2]
     scores = torch.matmul(q, k0.unsqueeze(2).transpose(-1, -2)) * scale  # [B,kv,g,C,S]
-    rows = torch.arange(start, start + c, device=q.device).unsqueeze(-1)
-    causal = torch.arange(s, device=q.device) <= rows
-    scores = scores.masked_fill(~causal, float("-inf"))
+    if documents is None:
+        rows = torch.arange(start, start + c, device=q.device).unsqueeze(-1)
+        allowed = torch.arange(s, device=q.device) <= rows
+    else:
+        allowed = document_mask(documents, start)[:, None, None]  # [B,1,1,C,S]
+    scores = scores.masked_fill(~allowed, float("-inf"))
     if dk is not None:
         diag = torch.einsum("bkgcd,bkcjd->bkgcj", q, dk) * scale
         scores = torch.cat([scores, diag], dim=-1)
@@ -54,8 +59,12 @@ def ttt_attention(
     diag_k: list[torch.Tensor],
     diag_v: list[torch.Tensor],
     chunk: int = 512,
+    documents: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [B,nh,T,hd]; k0, v0 and each diag_k/diag_v [B,nkv,T,hd] -> [B,nh,T,hd]."""
+    """q [B,nh,T,hd]; k0, v0 and each diag_k/diag_v [B,nkv,T,hd] -> [B,nh,T,hd].
+
+    `documents` [B,T] (packed rows): the step-0 keys are seen within a query's own
+    conversation only; the diagonal is the query's own position, so always is."""
     b, nh, t, hd = q.shape
     nkv = k0.shape[1]
     qg = q.view(b, nkv, nh // nkv, t, hd)
@@ -73,6 +82,7 @@ def ttt_attention(
             None if dv is None else dv[:, :, start:end],
             start,
             hd**-0.5,
+            None if documents is None else documents[:, :end],
         )
         if torch.is_grad_enabled():
             outs.append(checkpoint(_attend_chunk, *args, use_reentrant=False))
@@ -191,9 +201,20 @@ def chain_lengths(hits: list[torch.Tensor], masks: list[torch.Tensor]) -> torch.
     return total.sum(-1)
 
 
-def step_counts(loss_mask: torch.Tensor, steps: int) -> torch.Tensor:
+def step_mask(
+    loss_mask: torch.Tensor, j: int, documents: torch.Tensor | None = None
+) -> torch.Tensor:
+    """[B,T] positions step j is taught at: loss_mask[t+2+j], cut where t+2+j lies in
+    another conversation of a packed row."""
+    mask = _shift(loss_mask, 2 + j)
+    return mask if documents is None else mask * within_document(documents, 2 + j)
+
+
+def step_counts(
+    loss_mask: torch.Tensor, steps: int, documents: torch.Tensor | None = None
+) -> torch.Tensor:
     """Masked positions per step [K]: step j predicts the token at t+2+j."""
-    return torch.stack([_shift(loss_mask, 2 + j).sum() for j in range(steps)]).float()
+    return torch.stack([step_mask(loss_mask, j, documents).sum() for j in range(steps)]).float()
 
 
 class TTTModel(nn.Module):
@@ -241,19 +262,25 @@ class TTTModel(nn.Module):
         steps: int | None = None,
         drop_missed: bool | None = None,
         train_oov: bool | None = None,
+        documents: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, StepStats]:
-        """Right-padded batch [B,T] -> (loss, per-sample stats).
+        """Right-padded batch [B,T] -> (loss, per-row stats).
 
         loss = sum_j decay^j * loss_sum_j / norm_j; `norm` [K] defaults to the
         local masked counts. The trainer passes global counts (over ranks and
         accumulation steps) so any split of a batch gives the same gradient.
         `steps`, `drop_missed` and `train_oov` override the model's (held-out
         evaluation). Dropped positions stay in `norm` and in the stats' counts and hits.
+        `documents` [B,T] marks packed rows' conversations (`train.packing`): each is
+        unrolled as if alone in its row.
         """
         draft = self.draft
         b, t = input_ids.shape
         hidden = draft.fuse_aux(aux.to(draft.fc.weight.dtype))
-        positions = torch.arange(t, device=input_ids.device)
+        if documents is None:
+            positions = torch.arange(t, device=input_ids.device)
+        else:
+            positions = document_positions(documents)
         t2d = draft.t2d
         drop = self.drop_missed if drop_missed is None else drop_missed
         oov = self.train_oov if train_oov is None else train_oov
@@ -273,12 +300,12 @@ class TTTModel(nn.Module):
             else:
                 diag_k.append(k)
                 diag_v.append(v)
-            out = ttt_attention(q, k0, v0, diag_k, diag_v, self.chunk)
+            out = ttt_attention(q, k0, v0, diag_k, diag_v, self.chunk, documents)
             logits, hidden = draft.head(draft.midlayer.finish(out, residual))
 
             probs = _shift(teacher_probs, 1 + j)
             wanted = _shift(target_argmax, 1 + j)
-            mask = _shift(loss_mask, 2 + j).float()
+            mask = step_mask(loss_mask, j, documents).float()
             logp = torch.log_softmax(logits.float(), dim=-1)
             ce = -(probs * logp).sum(-1)
             in_vocab = 1.0 if oov else t2d[wanted]
