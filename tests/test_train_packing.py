@@ -196,3 +196,27 @@ def test_too_few_packed_rows_for_a_step(tmp_path):
                          "training.batch_size=2", "training.grad_accum=2")  # fmt: skip
     with pytest.raises(UserError, match="fewer than one optimizer step.*training.pack_tokens"):
         run(tmp_path, config, target=tiny_target())
+
+
+def test_offline_packed_training_matches_online_closely(tmp_path):
+    """The cache's per-sample states packed into rows train as the target's packed forward
+    does (the bf16 cache: closely), and the argmax memo fills per sample."""
+    from eagletools.data.hidden_states import write_hidden_states
+    from eagletools.train.inputs import offline_inputs
+    from eagletools.train.trainer import Trainer
+
+    target, dataset = tiny_target(), random_dataset(n=40)
+    write_hidden_states(target, dataset, tmp_path / "c", data_key="k", max_length=64)
+    packed = ["data.max_length=64", "training.pack_tokens=96", "training.batch_size=2",
+              "training.max_steps=3", "training.eval_every=0"]  # fmt: skip
+    config = tiny_config(*packed, "target.spec=tiny-llama", f"data.hidden_states={tmp_path / 'c'}")
+    offline = Trainer(config, tmp_path / "off", offline_inputs(config))
+    offline.run()
+    online, _ = run(tmp_path, tiny_config(*packed), "on", target=target, dataset=dataset)
+    assert offline.history and len(offline.history) == len(online.history)
+    for a, b in zip(offline.history, online.history, strict=True):
+        assert abs(a["loss"] - b["loss"]) < 0.05 * abs(b["loss"])
+    rows = [row for batch in offline._epoch_plan(0)[:3] for row in batch]
+    trained = {offline.train_idx[i] for row in rows for i in row}
+    assert max(len(row) for row in rows) > 1
+    assert set(offline.argmax_memo.rows) == trained | set(offline.eval_idx)
