@@ -84,6 +84,21 @@ def machine() -> dict:
     }
 
 
+def machine_key(device) -> str:
+    """What a figure measured on `device` depends on besides the work: the device type,
+    the GPU or CPU model, the cores and torch's threads (a key of the eagletools cache)."""
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu
+    return f"{device.type}|{where}|{os.cpu_count()} cpus|{torch.get_num_threads()} threads"
+
+
+def loaded_by_others(load: dict | None, cpu_count: int | None) -> bool:
+    """Whether other work kept over half the cores busy while timing (`LoadMeter.result`)."""
+    return bool(load) and load["others"] > (cpu_count or 1) / 2
+
+
 def _load_average() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
