@@ -142,6 +142,8 @@ def test_a_corrupt_cache_is_ignored_with_a_warning(tune_cache, text, caplog):
 
 
 def test_no_tune_and_autotune_take_the_fixed_shape_untimed():
-    for s in (Settings(draft="random", tune=False), Settings(draft="random", autotune=True)):
-        tree = tuning.choose_tree(s, lambda: pytest.fail("tuned"))
-        assert (tree.shape, tree.source) == (tuning.FIXED_SHAPE, "fixed")
+    no_tune = tuning.choose_tree(Settings(draft="random", tune=False), lambda: pytest.fail())
+    assert (no_tune.shape, no_tune.source) == (tuning.FIXED_SHAPE, "fixed")
+    assert no_tune.line() == "tree 4/5/16 (topk/depth/nodes), fixed by --no-tune"
+    autotune = tuning.choose_tree(Settings(draft="random", autotune=True), lambda: pytest.fail())
+    assert autotune.shape == tuning.FIXED_SHAPE and autotune.line() is None

@@ -148,8 +148,8 @@ def load_decoders(s: Settings) -> Decoders:
         tree = choose_tree(
             s, lambda: autotune(decoders, s, tune_questions(), TUNE_GRID, TUNE_TOKENS)
         )
-        if tree.source != "given":
-            log.info(tree.line())
+        if line := tree.line():
+            log.info(line)
         use_tree(decoders, s, tree)
     return decoders
 

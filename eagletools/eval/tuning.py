@@ -85,15 +85,18 @@ class TreeChoice:
         return {"topk": topk, "depth": depth, "num_draft_tokens": nodes,
                 "plain": self.shape is None, "source": self.source, "tune": self.tune}  # fmt: skip
 
-    def line(self) -> str:
-        """The one line a run prints about its shape."""
+    def line(self) -> str | None:
+        """The one line a run prints about a shape it did not give (None: it gave one)."""
+        if self.source in ("given", "autotune"):
+            return None
         if self.source == "fixed":
             return f"tree {shape_label(self.shape)} (topk/depth/nodes), fixed by --no-tune"
+        speedup = self.speedup()
         what = (
             "plain decoding: no tree shape beat it here, so the draft is not run"
             if self.shape is None
-            else f"tree {shape_label(self.shape)} (topk/depth/nodes), "
-            f"{self.speedup() or 0:.2f}x plain decoding in the tune"
+            else f"tree {shape_label(self.shape)} (topk/depth/nodes)"
+            + (f", {speedup:.2f}x plain decoding in the tune" if speedup else "")
         )
         how = (
             f"tuned now in {self.tune['seconds']:.0f} s"
@@ -159,12 +162,14 @@ def _cached(entry: object) -> TreeChoice | None:
 def choose_tree(s: Settings, measure: Callable[[], dict]) -> TreeChoice:
     """The shape `s` gives; given none, the one tuned for `tune_key(s)`: from the cache, or
     `measure()` now (`eval.runner.autotune` over TUNE_GRID) and cached. `--no-tune` and
-    `--autotune` (which searches its own grid after) take FIXED_SHAPE."""
+    `--autotune` (which searches its own grid next) take FIXED_SHAPE untimed."""
     from eagletools.assets import read_cache_json, write_cache_json
 
     if s.shape is not None:
         return TreeChoice(s.shape, "given")
-    if not s.tune or s.autotune:
+    if s.autotune:  # its search over the benchmark replaces this shape before any timing
+        return TreeChoice(FIXED_SHAPE, "autotune")
+    if not s.tune:
         return TreeChoice(FIXED_SHAPE, "fixed")
     key = tune_key(s)
     path = cache_path()
