@@ -16,12 +16,16 @@ import platform
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 from eagletools.data.chat import chat_ids
 from eagletools.engines import Counters
 from eagletools.eval.benchmarks import Question
 from eagletools.eval.methods import Method
 from eagletools.eval.metrics import match_fields, summarize
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -84,7 +88,7 @@ def machine() -> dict:
     }
 
 
-def machine_key(device) -> str:
+def machine_key(device: torch.device) -> str:
     """What a figure measured on `device` depends on besides the work: the device type,
     the GPU or CPU model, the cores and torch's threads (a key of the eagletools cache)."""
     import torch

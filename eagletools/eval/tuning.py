@@ -154,7 +154,8 @@ def _cached(entry: object) -> TreeChoice | None:
     if shape is None or (
         isinstance(shape, list) and len(shape) == 3 and all(isinstance(x, int) for x in shape)
     ):
-        return TreeChoice(shape and tuple(shape), "cache", entry.get("tune"))
+        tune = entry.get("tune")
+        return TreeChoice(shape and tuple(shape), "cache", tune if isinstance(tune, dict) else None)
     log.warning("ignoring a malformed entry of %s; tuning again", cache_path())
     return None
 
@@ -172,16 +173,16 @@ def choose_tree(s: Settings, measure: Callable[[], dict]) -> TreeChoice:
     if not s.tune:
         return TreeChoice(FIXED_SHAPE, "fixed")
     key = tune_key(s)
-    path = cache_path()
+    digest, path = _digest(key), cache_path()
     known = read_cache_json(path)
-    if (entry := known.get(_digest(key))) is not None and (hit := _cached(entry)) is not None:
+    if (entry := known.get(digest)) is not None and (hit := _cached(entry)) is not None:
         return hit
     start = time.perf_counter()
     tune = measure()
     tune["seconds"] = round(time.perf_counter() - start, 1)
     chosen = trial_shape(tune["best"])
-    known[_digest(key)] = {"key": key, "shape": chosen and list(chosen), "tune": tune,
-                           "measured": time.strftime("%Y-%m-%d %H:%M:%S")}  # fmt: skip
+    known[digest] = {"key": key, "shape": chosen and list(chosen), "tune": tune,
+                     "measured": time.strftime("%Y-%m-%d %H:%M:%S")}  # fmt: skip
     write_cache_json(path, known)
     if loaded_by_others(tune["load_during_timing"], os.cpu_count()):
         log.warning("other work loaded the machine during the tree shape tune (load average "
