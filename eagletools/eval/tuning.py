@@ -39,7 +39,7 @@ FIXED_SHAPE: Shape = (4, 5, 16)  # --no-tune; and the rest of a shape given in p
 # None is plain decoding; chains of 2 and 3 drafts pay on CPUs, where a wide verify costs
 # much more than one row (issue 16); the fixed shape for where it pays (GPUs)
 TUNE_GRID: tuple[Shape | None, ...] = (None, (1, 2, 3), (1, 3, 4), (2, 3, 6), FIXED_SHAPE)
-TUNE_TOKENS = 64  # per prompt: a small fixed budget, under a minute on 2 cores for SmolLM2
+TUNE_TOKENS = 64  # per prompt and shape: a small fixed budget
 TUNE_PROMPTS = (
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
     "Explain how a hash table works, with a small Python example.",
