@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
+import logging
 import os
 import shutil
 import subprocess
@@ -19,7 +21,10 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from eagletools.atomic import write_text
 from eagletools.errors import UserError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -90,6 +95,30 @@ def cache_dir() -> Path:
         return Path(env)
     xdg = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(xdg) / "eagletools"
+
+
+def read_cache_json(path: Path) -> dict:
+    """A JSON object of the cache folder (figures measured once per machine, by key); {}
+    when absent, and when unreadable, with a warning: the run measures again and
+    `write_cache_json` replaces the file, rather than fail on a cache."""
+    try:
+        known = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as err:
+        log.warning(
+            "ignoring the cache file %s (%s); it is measured again and rewritten", path, err
+        )
+        return {}
+    if not isinstance(known, dict):
+        log.warning("ignoring the cache file %s (not a JSON object); it is rewritten", path)
+        return {}
+    return known
+
+
+def write_cache_json(path: Path, known: dict) -> None:
+    """Atomically: a concurrent reader never sees half of it."""
+    write_text(path, json.dumps(known, indent=1) + "\n")
 
 
 def get_asset(name: str) -> Asset:

@@ -55,6 +55,14 @@ def tiny_model(family: str, seed: int = 0, dtype=torch.float32, **overrides):
     return model.eval()
 
 
+@pytest.fixture(autouse=True)
+def tune_cache(tmp_path, monkeypatch) -> Path:
+    """Where a test's tree shape tunes are cached: never the user's eagletools cache."""
+    path = tmp_path / "tuned_shapes.json"
+    monkeypatch.setattr("eagletools.eval.tuning.cache_path", lambda: path)
+    return path
+
+
 @pytest.fixture(params=FAMILIES)
 def family(request) -> str:
     return request.param

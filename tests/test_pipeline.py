@@ -138,3 +138,31 @@ def test_an_unknown_engine_in_the_recipe_is_refused(tmp_path, capsys):
     code = main(["pipeline", "eval.engines=[tgi]", "--output-dir", str(tmp_path)])
     assert code == 2
     assert "eval.engines: unknown engine 'tgi'; known: vllm, llama.cpp" in capsys.readouterr().err
+
+
+def test_a_recipe_without_a_tree_shape_takes_the_tuned_one(target_dir, tmp_path, monkeypatch):
+    """The eval stage goes through the same choice as `eval` and `generate`."""
+    from eagletools.eval import runner
+    from eagletools.eval.tuning import TreeChoice
+    from eagletools.pipeline import stages
+    from eagletools.train.recipe import load_config
+
+    _, bench = write_inputs(tmp_path)
+    config = load_config(None, [
+        f"target.spec={target_dir}", "target.dtype=float32", f"eval.benchmarks=[{bench}]",
+        "eval.num_prompts=1", "eval.max_new_tokens=4", "eval.hf_baseline=false",
+    ])  # fmt: skip
+    asked = []
+
+    def choose_tree(s, measure):
+        asked.append((s.shape, s.tune))
+        return TreeChoice((1, 2, 3), "cache")
+
+    real = runner.load_any_draft
+    monkeypatch.setattr(runner, "choose_tree", choose_tree)
+    monkeypatch.setattr(runner, "load_any_draft", lambda spec, *a, **k: real("random", *a, **k))
+    stage = next(s for s in stages(config, tmp_path / "run") if s.name.startswith("eval"))
+    stage.run()
+    results = json.loads(stage.output.read_text())
+    assert asked == [(None, True)]
+    assert results["tree"]["source"] == "cache" and results["settings"]["depth"] == 2

@@ -36,10 +36,23 @@ def add_decoding_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="sampling top-k (0 = off)")
     p.add_argument("--top-p", type=float, default=1.0, help="sampling top-p (1 = off)")
-    p.add_argument("--topk", type=int, default=4, help="draft tree: children per expanded node")
-    p.add_argument("--depth", type=int, default=5, help="draft tree: draft steps")
     p.add_argument(
-        "--num-draft-tokens", type=int, default=16, help="draft tree: nodes verified, root included"
+        "--topk",
+        type=int,
+        help="draft tree: children per expanded node. Give none of --topk, --depth, "
+        "--num-draft-tokens and the shape is the one measured fastest on this machine for this "
+        "draft (see --no-tune); give some and the others are 4, 5, 16",
+    )
+    p.add_argument("--depth", type=int, help="draft tree: draft steps")
+    p.add_argument("--num-draft-tokens", type=int, help="draft tree: nodes verified, root included")
+    p.add_argument(
+        "--no-tune",
+        dest="tune",
+        action="store_false",
+        help="given no tree shape, draft topk 4, depth 5, 16 nodes. Without it, the first run "
+        "of a draft here times plain decoding and 4 chains and trees on 2 short prompts x 64 "
+        "tokens, caches the fastest in the eagletools cache and drafts with it, or decodes "
+        "plainly when no shape beat plain decoding",
     )
     p.add_argument("--dtype", default="bfloat16", type=dtype_arg, help="bf16, fp16 or fp32")
     add_device_argument(p)

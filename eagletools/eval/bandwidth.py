@@ -9,16 +9,11 @@ much larger than the caches) and kept in the eagletools cache.
 
 from __future__ import annotations
 
-import json
-import os
-import platform
 import statistics
 import time
 
 import torch
 from torch import nn
-
-from eagletools.atomic import write_text
 
 PROBE_BYTES = 1 << 29  # 512 MiB: several times any L3
 
@@ -41,18 +36,15 @@ def _measure(device: torch.device, rounds: int = 5) -> float:
 
 def read_bandwidth(device: torch.device | str = "cpu") -> float:
     """The machine's memory read bandwidth in bytes/s, measured once and cached on disk."""
-    from eagletools.assets import cache_dir
+    from eagletools.assets import cache_dir, read_cache_json, write_cache_json
+    from eagletools.eval.measure import machine_key
 
     device = torch.device(device)
-    cpu = platform.processor() or platform.machine()
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu
-    key = f"{device.type}|{where}|{os.cpu_count()} cpus|{torch.get_num_threads()} threads"
-    path = cache_dir() / "read_bandwidth.json"
-    known = json.loads(path.read_text()) if path.exists() else {}
+    key, path = machine_key(device), cache_dir() / "read_bandwidth.json"
+    known = read_cache_json(path)
     if key not in known:
         known[key] = _measure(device)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_text(path, json.dumps(known, indent=1) + "\n")
+        write_cache_json(path, known)
     return known[key]
 
 

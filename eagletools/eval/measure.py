@@ -16,12 +16,16 @@ import platform
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 from eagletools.data.chat import chat_ids
 from eagletools.engines import Counters
 from eagletools.eval.benchmarks import Question
 from eagletools.eval.methods import Method
 from eagletools.eval.metrics import match_fields, summarize
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -82,6 +86,21 @@ def machine() -> dict:
         "torch": torch.__version__,
         "load_average_at_start": _load_average(),
     }
+
+
+def machine_key(device: torch.device) -> str:
+    """What a figure measured on `device` depends on besides the work: the device type,
+    the GPU or CPU model, the cores and torch's threads (a key of the eagletools cache)."""
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu
+    return f"{device.type}|{where}|{os.cpu_count()} cpus|{torch.get_num_threads()} threads"
+
+
+def loaded_by_others(load: dict | None, cpu_count: int | None) -> bool:
+    """Whether other work kept over half the cores busy while timing (`LoadMeter.result`)."""
+    return bool(load) and load["others"] > (cpu_count or 1) / 2
 
 
 def _load_average() -> list[float]:

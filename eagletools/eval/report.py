@@ -6,6 +6,8 @@ with `load_average_at_end` and `load_during_timing`: `max`, `own_cpus`, `others`
 `samples`), `summary` (eval.metrics.summarize), `per_prompt` records (each
 method's `new_tokens`, `seconds`, `tokens_per_s`; our speculative decoder's
 `accepted` per verify step, an engine's `acceptance` counters), `autotune`,
+`tree` (eval.tuning.TreeChoice.record: the shape drafted, `plain` when the
+tune found plain decoding fastest, its `source` and the tune's trials),
 `bandwidth` (ours) or `engine` (a serving engine).
 """
 
@@ -16,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from eagletools.atomic import atomic_file, write_text
+from eagletools.eval.measure import loaded_by_others
 from eagletools.eval.metrics import headline
 
 
@@ -48,7 +51,7 @@ def _row(name: str, s: dict) -> list[str]:
 def load_warning(machine: dict) -> list[str]:
     """A bold line when other work loaded the machine during timing (over half its cores)."""
     load = machine.get("load_during_timing")  # absent in results from before it was measured
-    if not load or load["others"] <= machine["cpu_count"] / 2:
+    if not loaded_by_others(load, machine["cpu_count"]):
         return []
     return [
         "",
@@ -74,6 +77,36 @@ def numerics(cfg: dict) -> str:
     return ", numerics exact (batch-invariant attention)" + compiled
 
 
+SOURCES = {"tuned": "tuned here", "cache": "tuned here before (cached)", "autotune": "autotuned",
+           "fixed": "fixed by --no-tune"}  # fmt: skip
+
+
+def shape_text(results: dict) -> str:
+    """What drafted: an engine's chain, our tree and how its shape was chosen, or plain
+    decoding when the tune found no shape faster than it."""
+    cfg, tree = results["settings"], results.get("tree") or {}
+    if cfg.get("engine", "ours") != "ours":
+        return f"chain of {cfg['depth']} drafts"
+    if tree.get("plain"):
+        return ("plain decoding: the tree shape tune found none faster here, so the draft was "
+                "not run (give --topk, --depth or --num-draft-tokens to measure it)")  # fmt: skip
+    source = SOURCES.get(tree.get("source"))
+    return (
+        f"tree topk={cfg['topk']} depth={cfg['depth']} num_draft_tokens={cfg['num_draft_tokens']}"
+        + (f" ({source})" if source else "")
+    )
+
+
+def trial_lines(title: str, tune: dict) -> list[str]:
+    """A shape search's trials: tokens/s and tau of each shape (plain: no draft)."""
+    lines = ["", f"{title} (tokens/s by topk, depth, num_draft_tokens; {tune['prompts']} "
+             f"prompts x {tune.get('max_new_tokens', 'n/a')} tokens):", ""]  # fmt: skip
+    for t in tune["trials"]:
+        shape = "plain" if t["topk"] is None else (t["topk"], t["depth"], t["num_draft_tokens"])
+        lines.append(f"- {shape}: {t['tokens_per_s']:.1f} tok/s, tau {t['tau']:.2f}")
+    return lines
+
+
 def markdown(results: dict) -> str:
     s, cfg = results["summary"], results["settings"]
     head = [
@@ -83,16 +116,10 @@ def markdown(results: dict) -> str:
     rows = [_row("all", s)]
     rows += [_row(name, c) for name, c in s.get("per_category", {}).items()]
     engine = cfg.get("engine", "ours")
-    shape = (
-        f"chain of {cfg['depth']} drafts"
-        if engine != "ours"
-        else f"tree topk={cfg['topk']} depth={cfg['depth']} "
-        f"num_draft_tokens={cfg['num_draft_tokens']}"
-    )
     lines = [
         f"# eagletools eval: {cfg['bench']}, engine {engine}",
         "",
-        f"target `{cfg['target']}`, draft `{cfg['draft']}`, {cfg['dtype']}, {shape}, "
+        f"target `{cfg['target']}`, draft `{cfg['draft']}`, {cfg['dtype']}, {shape_text(results)}, "
         f"max_new_tokens={cfg['max_new_tokens']}, temperature={cfg['temperature']}"
         + (numerics(cfg) if engine == "ours" else ""),
         "",
@@ -119,12 +146,9 @@ def markdown(results: dict) -> str:
         rates = ", ".join(f"{r:.2f}" for r in s["per_position_acceptance"])
         lines += ["", f"per-position acceptance: {rates}"]
     if results.get("autotune"):
-        lines += ["", "autotune (tokens/s by topk, depth, num_draft_tokens):", ""]
-        for t in results["autotune"]["trials"]:
-            lines.append(
-                f"- ({t['topk']}, {t['depth']}, {t['num_draft_tokens']}): "
-                f"{t['tokens_per_s']:.1f} tok/s, tau {t['tau']:.2f}"
-            )
+        lines += trial_lines("autotune", results["autotune"])
+    if (results.get("tree") or {}).get("tune"):
+        lines += trial_lines("tree shape tune", results["tree"]["tune"])
     m = results["machine"]
     lines += ["", f"machine: {m['processor']}, {m['cpu_count']} CPUs, torch {m['torch']}, "
               f"{m['torch_threads']} threads, load average {m['load_average_at_start']}"]  # fmt: skip

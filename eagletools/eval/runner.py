@@ -2,7 +2,9 @@
 
 The three share one target and take each prompt in turn (eval.measure), so a
 change in machine load hits them alike. `Settings` is every evaluation's
-configuration, the serving engines' (eval.engine_runner) included.
+configuration, the serving engines' (eval.engine_runner) included. Given no
+tree shape, a run drafts with the one `eval.tuning.choose_tree` measured
+fastest here, or decodes plainly when none beat plain decoding.
 """
 
 from __future__ import annotations
@@ -23,6 +25,17 @@ from eagletools.eval.benchmarks import Question
 from eagletools.eval.measure import Run, build_results, run_methods
 from eagletools.eval.methods import Decoder, HuggingFace, Method
 from eagletools.eval.metrics import acceptance
+from eagletools.eval.tuning import (
+    FIXED_SHAPE,
+    TUNE_GRID,
+    TUNE_TOKENS,
+    Shape,
+    TreeChoice,
+    choose_tree,
+    shape_label,
+    trial_shape,
+    tune_questions,
+)
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +69,10 @@ class Settings:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
-    topk: int = 4
-    depth: int = 5
-    num_draft_tokens: int = 16
+    topk: int | None = None  # the tree; None in all three: eval.tuning.choose_tree's
+    depth: int | None = None
+    num_draft_tokens: int | None = None
+    tune: bool = True  # False (--no-tune): no shape given drafts FIXED_SHAPE, untimed
     hf_baseline: bool = False
     dtype: str = "bfloat16"
     seed: int = 0
@@ -77,6 +91,20 @@ class Settings:
     def __post_init__(self) -> None:
         self.dtype = dtype_name(self.dtype, "--dtype")
         self.device = str(resolve_device(self.device))
+        given = (self.topk, self.depth, self.num_draft_tokens)
+        if any(g is not None for g in given) or self.engine != "ours":
+            # a shape given in part keeps the old defaults for the rest; engines draft a
+            # chain of --depth, untuned
+            self.topk, self.depth, self.num_draft_tokens = (
+                f if g is None else g for g, f in zip(given, FIXED_SHAPE, strict=True)
+            )
+
+    @property
+    def shape(self) -> Shape | None:
+        """The tree shape, or None while none is chosen (and once plain decoding was)."""
+        if self.topk is None or self.depth is None or self.num_draft_tokens is None:
+            return None
+        return self.topk, self.depth, self.num_draft_tokens
 
     @property
     def sampling(self) -> Sampling:
@@ -95,10 +123,14 @@ class Decoders:
     target: object  # eagletools.target.Target
     runtime: Transformer
     baseline: BaselineDecoder
-    speculative: SpeculativeDecoder | None
+    speculative: SpeculativeDecoder | None  # None without a draft, or when plain was faster
+    draft: object | None = None  # eagletools.draft.Eagle3Draft
+    tree: TreeChoice | None = None  # the speculative decoder's shape and whence it came
 
 
 def load_decoders(s: Settings) -> Decoders:
+    """The target's runtime and plain decoder; with a draft, the speculative decoder in the
+    shape `s` gives or, given none, the one `choose_tree` found fastest here."""
     from eagletools.target import load_target
 
     if s.threads:
@@ -110,14 +142,34 @@ def load_decoders(s: Settings) -> Decoders:
     runtime.set_exact(not s.fast_numerics)
     forward = compiled(runtime) if s.compile else runtime
     baseline = BaselineDecoder(runtime, target.tokenizer, forward=forward)
-    spec = None
+    decoders = Decoders(target, runtime, baseline, None)
     if s.draft:
-        draft = load_any_draft(s.draft, target, dtype, s.device, s.allow_pickle)
-        spec = SpeculativeDecoder(
-            runtime, draft, target.tokenizer, s.topk, s.depth, s.num_draft_tokens,
-            compile=s.compile,
-        )  # fmt: skip
-    return Decoders(target, runtime, baseline, spec)
+        decoders.draft = load_any_draft(s.draft, target, dtype, s.device, s.allow_pickle)
+        tree = choose_tree(
+            s, lambda: autotune(decoders, s, tune_questions(), TUNE_GRID, TUNE_TOKENS)
+        )
+        if line := tree.line():
+            log.info(line)
+        use_tree(decoders, s, tree)
+    return decoders
+
+
+def _speculative(decoders: Decoders, shape: Shape, compile: bool) -> SpeculativeDecoder:
+    return SpeculativeDecoder(
+        decoders.runtime, decoders.draft, decoders.target.tokenizer, *shape, compile=compile
+    )
+
+
+def use_tree(decoders: Decoders, s: Settings, tree: TreeChoice) -> None:
+    """Draft in `tree`'s shape from now on, or decode plainly when it has none; a decoder a
+    tune timed in that shape is kept (its compiled step is not made again)."""
+    decoders.tree = tree
+    s.topk, s.depth, s.num_draft_tokens = tree.shape or (None, None, None)
+    spec = decoders.speculative
+    if tree.shape is None:
+        decoders.speculative = None
+    elif spec is None or (spec.topk, spec.depth, spec.num_draft_tokens) != tree.shape:
+        decoders.speculative = _speculative(decoders, tree.shape, s.compile)
 
 
 def load_any_draft(spec: str, target, dtype, device, allow_pickle: bool = False):
@@ -179,36 +231,48 @@ def methods(decoders: Decoders, s: Settings, generator: torch.Generator) -> list
     return out
 
 
-def autotune(decoders: Decoders, s: Settings, questions: list[Question]) -> dict:
-    """Time each tree shape of the grid on a few first turns; pick the best tokens/s."""
-    assert decoders.speculative is not None
-    spec = decoders.speculative
-    draft, tokenizer = spec.draft, decoders.target.tokenizer
-    sample = [Question(q.id, q.category, q.turns[:1]) for q in questions[: s.autotune_prompts]]
-    trials, tried = [], []
-    for topk, depth, n in AUTOTUNE_GRID:
-        decoder = SpeculativeDecoder(
-            decoders.runtime, draft, tokenizer, topk, depth, n, compile=spec.compiled
-        )  # fmt: skip
-        gen = torch.Generator(device=s.device).manual_seed(s.seed)
-        method = Decoder("speculative", decoder, s.max_new_tokens, s.sampling, gen)
-        measured = run_methods([[method]], sample, tokenizer, progress=False)
-        runs = measured.runs["speculative"]
-        tau, _ = acceptance([a for r in runs for a in r.accepted], depth)
-        trial = {
-            "topk": topk,
-            "depth": depth,
-            "num_draft_tokens": n,
-            "tokens_per_s": sum(r.num_tokens for r in runs) / sum(r.seconds for r in runs),
-            "tau": tau,
-        }
-        log.info("autotune %s", trial)
-        trials.append(trial)
-        tried.append(decoder)
-    i = max(range(len(trials)), key=lambda j: trials[j]["tokens_per_s"])
-    best, decoders.speculative = trials[i], tried[i]  # the decoder it timed, not a new one
-    s.topk, s.depth, s.num_draft_tokens = best["topk"], best["depth"], best["num_draft_tokens"]
-    return {"prompts": len(sample), "trials": trials, "best": best}
+def autotune(
+    decoders: Decoders,
+    s: Settings,
+    questions: list[Question],
+    grid: tuple[Shape | None, ...] = AUTOTUNE_GRID,
+    max_new_tokens: int | None = None,
+) -> dict:
+    """Time each shape of `grid` (None: plain decoding) on the first turns of `questions`,
+    every shape taking each prompt in turn (a change in load hits them alike). The fastest
+    becomes `decoders.speculative` (None: plain), the decoder it timed, not a new one."""
+    tokenizer = decoders.target.tokenizer
+    sample = [Question(q.id, q.category, q.turns[:1]) for q in questions]
+    tried = {
+        shape: decoders.baseline if shape is None else _speculative(decoders, shape, s.compile)
+        for shape in grid
+    }
+    timed = [
+        Decoder(shape_label(shape), decoder, max_new_tokens or s.max_new_tokens, s.sampling,
+                torch.Generator(device=s.device).manual_seed(s.seed))
+        for shape, decoder in tried.items()
+    ]  # fmt: skip
+    measured = run_methods([timed], sample, tokenizer, progress=False)
+    trials = [_trial(shape, measured.runs[shape_label(shape)]) for shape in grid]
+    for trial in trials:
+        log.debug("autotune %s", trial)
+    best = max(trials, key=lambda t: t["tokens_per_s"])  # the first of equals: plain leads
+    chosen = trial_shape(best)
+    decoders.speculative = None if chosen is None else tried[chosen]
+    return {"prompts": len(sample), "max_new_tokens": max_new_tokens or s.max_new_tokens,
+            "trials": trials, "best": best,
+            "load_during_timing": measured.machine["load_during_timing"]}  # fmt: skip
+
+
+def _trial(shape: Shape | None, runs: list[Run]) -> dict:
+    """One shape's figures in a tune: tokens/s over its prompts, and tau (plain: 1)."""
+    topk, depth, nodes = shape or (None, None, None)
+    accepted = [a for r in runs for a in r.accepted or []]
+    return {
+        "topk": topk, "depth": depth, "num_draft_tokens": nodes,
+        "tokens_per_s": sum(r.num_tokens for r in runs) / sum(r.seconds for r in runs),
+        "tau": acceptance(accepted, depth)[0] if shape else 1.0,
+    }  # fmt: skip
 
 
 def run_eval(
@@ -223,15 +287,18 @@ def run_eval(
     decoders = decoders or load_decoders(s)
     tuned = None
     if s.autotune:
-        if decoders.speculative is None:
+        if decoders.draft is None:
             raise UserError("--autotune needs --draft: it searches the speculative tree shape")
-        tuned = autotune(decoders, s, questions)
+        tuned = autotune(decoders, s, questions[: s.autotune_prompts])
+        use_tree(decoders, s, TreeChoice(trial_shape(tuned["best"]), "autotune"))
     reserve(decoders, s, questions)
     generator = torch.Generator(device=s.device).manual_seed(s.seed)
     timed = methods(decoders, s, generator)
     tokenizer = decoders.target.tokenizer
     measured = run_methods([timed], questions, tokenizer, progress)
-    results = build_results(asdict(s), s.depth, questions, measured, timed, autotune=tuned)
+    tree = decoders.tree and decoders.tree.record()
+    depth = s.depth or 0  # 0: plain decoding, nothing drafted
+    results = build_results(asdict(s), depth, questions, measured, timed, autotune=tuned, tree=tree)
     for q, r, ours, hf in zip(questions, results["per_prompt"], measured.runs["baseline"],
                               measured.runs.get("hf_generate", []), strict=False):  # fmt: skip
         if "hf_difference" in r:
@@ -250,4 +317,4 @@ def reserve(decoders: Decoders, s: Settings, questions: list[Question]) -> None:
         + len(q.turns) * (s.max_new_tokens + 16)  # each reply and its template
         for q in questions
     )
-    decoders.runtime.reserve(longest + s.num_draft_tokens + 1)
+    decoders.runtime.reserve(longest + (s.num_draft_tokens or 0) + 1)

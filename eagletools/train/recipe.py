@@ -229,9 +229,12 @@ class EvalSection:
     benchmarks: list[str] = field(default_factory=lambda: ["mt-bench", "spec-bench"])
     num_prompts: int = 8  # per benchmark; Spec-Bench is sampled across its categories
     max_new_tokens: int = 128
-    topk: int = 4
-    depth: int = 5
-    num_draft_tokens: int = 16
+    # the tree; null in all three: the shape measured fastest here (eval.tuning), or
+    # 4, 5, 16 with tune: false
+    topk: int | None = None
+    depth: int | None = None
+    num_draft_tokens: int | None = None
+    tune: bool = True
     autotune: bool = False
     hf_baseline: bool = True  # also time Hugging Face generate
     compile: bool = False  # decoding steps by inductor: faster, after a minute per shape

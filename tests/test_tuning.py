@@ -1,0 +1,149 @@
+"""The tree shape a run takes when it gives none: tuned once here, cached, plain when faster."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from eagletools.cli import main
+from eagletools.eval import runner, tuning
+from eagletools.eval.measure import Measured, Run
+from eagletools.eval.runner import Settings
+
+QUIET = {"max": 0.0, "own_cpus": 1.0, "others": 0.0, "samples": 2}
+
+
+def fake_timer(monkeypatch, speeds: dict[str, float]) -> list[list[str]]:
+    """Autotune's timing replaced: each shape (by label) decodes at `speeds[label]` tokens/s;
+    the benchmark's own loop (with `baseline`) runs for real. Returns the tunes' labels."""
+    real, calls = runner.run_methods, []
+
+    def run_methods(groups, questions, tokenizer, progress=True):
+        keys = [m.key for m in groups[0]]
+        if "baseline" in keys:
+            return real(groups, questions, tokenizer, progress)
+        calls.append(keys)
+        runs = {k: [Run([[0] * 8], 8 / speeds[k], None if k == "plain" else [1, 0])] for k in keys}
+        return Measured(runs, {"load_during_timing": QUIET})
+
+    monkeypatch.setattr(runner, "run_methods", run_methods)
+    return calls
+
+
+def speeds(fastest: str) -> dict[str, float]:
+    return {tuning.shape_label(g): 10.0 for g in tuning.TUNE_GRID} | {fastest: 30.0}
+
+
+def eval_args(target, tmp_path, out: str, *extra: str) -> list[str]:
+    bench = tmp_path / "bench.jsonl"
+    bench.write_text(json.dumps({"turns": ["hello there"]}) + "\n")
+    return ["eval", "--target", str(target), "--draft", "random:1", "--bench", str(bench),
+            "--dtype", "float32", "--max-new-tokens", "8", "--no-progress",
+            "--output-dir", str(tmp_path / out), *extra]  # fmt: skip
+
+
+def generate_args(target, *extra: str) -> list[str]:
+    return ["generate", "--target", str(target), "--draft", "random:1", "--dtype", "float32",
+            "--max-new-tokens", "6", *extra, "hello"]  # fmt: skip
+
+
+def results(tmp_path, out: str) -> dict:
+    return json.loads((tmp_path / out / "results.json").read_text())
+
+
+def test_no_shape_tunes_once_then_takes_the_cached_choice(tiny_target, tmp_path, monkeypatch,
+                                                          capsys, caplog):  # fmt: skip
+    caplog.set_level(logging.INFO)
+    calls = fake_timer(monkeypatch, speeds("1/3/4"))
+    assert main(eval_args(tiny_target, tmp_path, "first")) == 0
+    assert calls == [[tuning.shape_label(g) for g in tuning.TUNE_GRID]]  # plain among them
+    first = results(tmp_path, "first")
+    assert first["tree"]["source"] == "tuned" and not first["tree"]["plain"]
+    assert (first["settings"]["topk"], first["settings"]["depth"]) == (1, 3)
+    assert first["settings"]["num_draft_tokens"] == 4 and "speculative" in first["per_prompt"][0]
+    assert (
+        "tree 1/3/4 (topk/depth/nodes), 3.00x plain decoding in the tune (tuned now" in caplog.text
+    )
+    assert "tree shape tune" in (tmp_path / "first" / "results.md").read_text()
+
+    caplog.clear()
+    assert main(eval_args(tiny_target, tmp_path, "again")) == 0
+    assert main(generate_args(tiny_target)) == 0
+    assert len(calls) == 1, "a cached choice was timed again"
+    assert results(tmp_path, "again")["tree"]["source"] == "cache"
+    assert results(tmp_path, "again")["settings"]["num_draft_tokens"] == 4
+    assert caplog.text.count("tree 1/3/4 (topk/depth/nodes), 3.00x") == 2
+    assert "from the tune cache" in caplog.text and "[speculative]" in capsys.readouterr().err
+
+
+def test_a_given_shape_neither_tunes_nor_reads_the_cache(tiny_target, tmp_path, monkeypatch,
+                                                         capsys):  # fmt: skip
+    def fail(*args):
+        raise AssertionError("the tune cache was consulted")
+
+    monkeypatch.setattr(tuning, "tune_key", fail)
+    monkeypatch.setattr(tuning, "cache_path", fail)
+    assert main(eval_args(tiny_target, tmp_path, "out", "--topk", "2")) == 0
+    got = results(tmp_path, "out")
+    assert (got["settings"]["topk"], got["settings"]["depth"]) == (2, 5)  # the rest as before
+    assert got["settings"]["num_draft_tokens"] == 16 and got["tree"]["source"] == "given"
+    assert main(generate_args(tiny_target, "--no-tune")) == 0
+    assert "[speculative]" in capsys.readouterr().err
+
+
+def test_plain_decoding_wins_and_the_draft_is_not_run(tiny_target, tmp_path, monkeypatch, capsys):
+    calls = fake_timer(monkeypatch, speeds("plain"))
+    assert main(eval_args(tiny_target, tmp_path, "out")) == 0
+    got = results(tmp_path, "out")
+    assert got["tree"]["plain"] and got["settings"]["topk"] is None
+    assert "speculative" not in got["per_prompt"][0] and got["summary"]["tau"] is None
+    report = (tmp_path / "out" / "results.md").read_text()
+    assert "plain decoding: the tree shape tune found none faster here" in report
+    assert main(generate_args(tiny_target)) == 0
+    assert "[plain]" in capsys.readouterr().err and len(calls) == 1
+
+
+def fake_tune(shape) -> dict:
+    best = {"topk": None, "depth": None, "num_draft_tokens": None, "tokens_per_s": 9.0}
+    if shape:
+        best = dict(zip(("topk", "depth", "num_draft_tokens"), shape, strict=True))
+    return {"prompts": 2, "trials": [best], "best": best, "load_during_timing": QUIET}
+
+
+def test_the_cache_key_follows_the_draft_files(tmp_path):
+    def key(draft):
+        return tuning.tune_key(Settings(target="t", draft=str(draft)))
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    for folder, weights in ((a, b"one"), (b, b"two")):
+        folder.mkdir()
+        (folder / "config.json").write_text("{}")
+        (folder / "model.safetensors").write_bytes(weights)
+    assert key(a) != key(b)
+    before = key(a)
+    (a / "notes.txt").write_text("not the draft")
+    assert key(a) == before
+    (a / "model.safetensors").write_bytes(b"retrained")
+    assert key(a) != before
+    assert key("random:1") != key("random:2")
+
+
+@pytest.mark.parametrize("text", ["{not json", "[1, 2]", '{"%s": {"shape": "big"}}'])
+def test_a_corrupt_cache_is_ignored_with_a_warning(tune_cache, text, caplog):
+    s = Settings(target="t", draft="random")
+    tune_cache.write_text(text % tuning._digest(tuning.tune_key(s)) if "%s" in text else text)
+    tree = tuning.choose_tree(s, lambda: fake_tune((1, 3, 4)))
+    assert (tree.shape, tree.source) == ((1, 3, 4), "tuned")
+    assert "ignoring" in caplog.text
+    hit = tuning.choose_tree(s, lambda: pytest.fail("tuned again"))
+    assert (hit.shape, hit.source) == ((1, 3, 4), "cache")
+
+
+def test_no_tune_and_autotune_take_the_fixed_shape_untimed():
+    no_tune = tuning.choose_tree(Settings(draft="random", tune=False), lambda: pytest.fail())
+    assert (no_tune.shape, no_tune.source) == (tuning.FIXED_SHAPE, "fixed")
+    assert no_tune.line() == "tree 4/5/16 (topk/depth/nodes), fixed by --no-tune"
+    autotune = tuning.choose_tree(Settings(draft="random", autotune=True), lambda: pytest.fail())
+    assert autotune.shape == tuning.FIXED_SHAPE and autotune.line() is None
