@@ -141,6 +141,18 @@ def test_a_corrupt_cache_is_ignored_with_a_warning(tune_cache, text, caplog):
     assert (hit.shape, hit.source) == ((1, 3, 4), "cache")
 
 
+def test_a_tune_under_load_serves_its_run_but_is_not_cached(tune_cache, caplog):
+    """Timed beside other work, a choice can be wrong; cached, it would stay wrong."""
+    s = Settings(target="t", draft="random")
+    loaded = fake_tune((1, 3, 4)) | {"load_during_timing": {**QUIET, "max": 9.0, "others": 8.0}}
+    tree = tuning.choose_tree(s, lambda: loaded)
+    assert (tree.shape, tree.source) == ((1, 3, 4), "tuned")
+    assert "tunes again" in caplog.text and not tune_cache.exists()
+    again = tuning.choose_tree(s, lambda: fake_tune((2, 3, 6)))
+    assert (again.shape, again.source) == ((2, 3, 6), "tuned")
+    assert tuning.choose_tree(s, lambda: pytest.fail("tuned again")).source == "cache"
+
+
 def test_no_tune_and_autotune_take_the_fixed_shape_untimed():
     no_tune = tuning.choose_tree(Settings(draft="random", tune=False), lambda: pytest.fail())
     assert (no_tune.shape, no_tune.source) == (tuning.FIXED_SHAPE, "fixed")

@@ -181,11 +181,13 @@ def choose_tree(s: Settings, measure: Callable[[], dict]) -> TreeChoice:
     tune = measure()
     tune["seconds"] = round(time.perf_counter() - start, 1)
     chosen = trial_shape(tune["best"])
+    if loaded_by_others(tune["load_during_timing"], os.cpu_count()):
+        # a choice timed beside other work would stay wrong for every later run: not kept
+        log.warning("other work loaded the machine during the tree shape tune (load average "
+                    "up to %s): its choice serves this run only, and the next run tunes again",
+                    tune["load_during_timing"]["max"])  # fmt: skip
+        return TreeChoice(chosen, "tuned", tune)
     known[digest] = {"key": key, "shape": chosen and list(chosen), "tune": tune,
                      "measured": time.strftime("%Y-%m-%d %H:%M:%S")}  # fmt: skip
     write_cache_json(path, known)
-    if loaded_by_others(tune["load_during_timing"], os.cpu_count()):
-        log.warning("other work loaded the machine during the tree shape tune (load average "
-                    "up to %s): delete %s to tune again on a quieter machine",
-                    tune["load_during_timing"]["max"], path)  # fmt: skip
     return TreeChoice(chosen, "tuned", tune)
