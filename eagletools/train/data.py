@@ -14,6 +14,7 @@ import torch
 
 from eagletools.data.batch import Batch, Sample, SampleSource
 from eagletools.errors import UserError
+from eagletools.train.packing import plan_packed_epoch
 
 
 class TokenSamples(SampleSource):
@@ -99,6 +100,18 @@ def plan_epoch(
     batches = [b for b in batches if len(b) == global_batch]
     perm = torch.randperm(len(batches), generator=g).tolist()
     return [batches[i] for i in perm]
+
+
+def epoch_rows(
+    lengths: list[int], global_batch: int, pack_tokens: int, seed: int, epoch: int,
+    bucket_size: int,
+) -> list[list[list[int]]]:  # fmt: skip
+    """The epoch's global batches of rows (positions into `lengths`): packed up to
+    `pack_tokens` (training.pack_tokens), or one sample a row when it is 0."""
+    if pack_tokens:
+        return plan_packed_epoch(lengths, global_batch, pack_tokens, seed, epoch, bucket_size)
+    plan = plan_epoch(lengths, global_batch, seed, epoch, bucket_size)
+    return [[[i] for i in batch] for batch in plan]
 
 
 def steps_per_epoch(num_batches: int, grad_accum: int) -> int:

@@ -31,7 +31,7 @@ from eagletools.stages import run_stages
 from eagletools.train import checkpoint as ckpt
 from eagletools.train.data import (
     ArgmaxMemo,
-    plan_epoch,
+    epoch_rows,
     split_indices,
     steps_per_epoch,
     trainable,
@@ -47,7 +47,6 @@ from eagletools.train.inputs import (
     training_dtype,
     vocab_counts,
 )
-from eagletools.train.packing import plan_packed_epoch
 from eagletools.train.recipe import TrainConfig, dump_config
 from eagletools.train.ttt import (
     StepStats,
@@ -335,13 +334,10 @@ class Trainer:
         """The epoch's global batches of rows (positions into `train_idx`: one per row, or
         packed), planned once per epoch rather than per step."""
         if self._plan is None or self._plan[0] != epoch:
-            t, n = self.config.training, self.global_batch
+            t = self.config.training
             lengths = [self.inputs.source.length(i) for i in self.train_idx]
-            if t.pack_tokens:
-                plan = plan_packed_epoch(lengths, n, t.pack_tokens, t.seed, epoch, t.bucket_size)
-            else:
-                plan = [[[i] for i in b] for b in plan_epoch(lengths, n, t.seed, epoch,
-                                                             t.bucket_size)]  # fmt: skip
+            plan = epoch_rows(lengths, self.global_batch, t.pack_tokens, t.seed, epoch,
+                              t.bucket_size)  # fmt: skip
             self._plan = (epoch, plan)
         return self._plan[1]
 
