@@ -514,6 +514,32 @@ def test_regenerate_refuses_a_tokenised_dataset(tmp_path):
     assert not (tmp_path / "o").exists()  # refused before anything is written
 
 
+@pytest.mark.parametrize("budget", [500, 2000])
+def test_max_tokens_ends_the_run_and_its_schedule(tmp_path, monkeypatch, budget):
+    """A token budget, within an epoch (~760 tokens) or over several, ends the run at the
+    first step that reaches it, with the schedule done; the epochs follow the tokens."""
+    seen, step = [], Trainer.train_step
+
+    def counted(trainer):
+        seen.append(trainer.state.tokens)
+        return step(trainer)
+
+    monkeypatch.setattr(Trainer, "train_step", counted)
+    config = tiny_config("training.max_steps=null", f"training.max_tokens={budget}",
+                         "training.eval_every=0", "training.schedule=linear")  # fmt: skip
+    trainer, result = run(tmp_path, config)
+    assert seen[-1] < budget <= result["trained_tokens"]
+    assert abs(trainer.total - result["steps"]) <= 1 and trainer._progress() >= 1.0
+    assert trainer.state.epoch == (budget > 760) * (budget // 760)
+    lrs = [h["lr"] for h in trainer.history]
+    assert lrs[-1] < lrs[len(lrs) // 2] < max(lrs)
+
+
+def test_max_tokens_is_checked():
+    with pytest.raises(UserError, match="training.max_tokens"):
+        tiny_config("training.max_tokens=0")
+
+
 @pytest.mark.parametrize("schedule", ["cosine", "linear"])
 def test_lr_schedule_warms_up_then_decays_to_the_floor(schedule):
     """Warmup reaches the full rate at its last step; both decays start at 1, end at

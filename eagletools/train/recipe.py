@@ -158,6 +158,8 @@ class TrainingSection:
     max_steps: int | None = None  # optimizer steps; overrides num_epochs
     max_minutes: float | None = None  # stop after this much training time; the
     # schedule then follows the larger of the step and the time progress
+    max_tokens: int | None = None  # stop once this many tokens (all ranks) are trained,
+    # the schedule following them: runs of two trainers compare at equal tokens
     precision: str = "auto"  # bf16 (autocast) | fp32 (either spelling) | auto: the device's
     # faster matmul dtype (bf16 on GPUs and CPUs with AMX, fp32 on other CPUs); fp32 also
     # runs the teacher (the target while training) in fp32
@@ -200,6 +202,8 @@ class TrainingSection:
             (self.max_steps is None or self.max_steps >= 1, "training.max_steps", "must be >= 1"),
             (self.max_minutes is None or self.max_minutes > 0, "training.max_minutes",
              "must be > 0"),
+            (self.max_tokens is None or self.max_tokens >= 1, "training.max_tokens",
+             "must be >= 1"),
             (self.warmup_steps is None or self.warmup_steps >= 0, "training.warmup_steps",
              "must be >= 0"),
             (self.precision in ("auto", "bf16", "fp32"), "training.precision",

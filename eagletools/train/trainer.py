@@ -29,13 +29,7 @@ from eagletools.data.jobs import DataJob
 from eagletools.errors import UserError
 from eagletools.stages import run_stages
 from eagletools.train import checkpoint as ckpt
-from eagletools.train.data import (
-    ArgmaxMemo,
-    epoch_rows,
-    split_indices,
-    steps_per_epoch,
-    trainable,
-)
+from eagletools.train.data import ArgmaxMemo, epoch_rows, split_indices, steps_per_epoch, trainable
 from eagletools.train.inputs import (
     TrainInputs,
     cache_job,
@@ -156,10 +150,8 @@ class Trainer:
         self.eval_idx, skipped_eval = trainable(src, eval_idx)
         self.skipped_masked = skipped + skipped_eval
         if self.skipped_masked:
-            log.warning(
-                "skipped %d samples whose every token is masked out of the loss",
-                self.skipped_masked,
-            )
+            log.warning("skipped %d samples whose every token is masked out of the loss",
+                        self.skipped_masked)  # fmt: skip
         if not self.train_idx:
             raise UserError(
                 f"{c.data.train}: no training sample is left after filtering "
@@ -248,7 +240,10 @@ class Trainer:
         t = self.config.training
         self._plan: tuple[int, list[list[list[int]]]] | None = None  # (epoch, its batches)
         per_epoch = steps_per_epoch(len(self._epoch_plan(0)), t.grad_accum)
-        self.total = t.max_steps or max(1, math.ceil(per_epoch * t.num_epochs))
+        epochs = t.num_epochs
+        if t.max_tokens is not None:  # the epochs it fills (the bar, warmup_ratio)
+            epochs = t.max_tokens / max(1, sum(map(self.inputs.source.length, self.train_idx)))
+        self.total = t.max_steps or max(1, math.ceil(per_epoch * epochs))
         self.warmup = (
             t.warmup_steps if t.warmup_steps is not None else round(t.warmup_ratio * self.total)
         )
@@ -360,19 +355,25 @@ class Trainer:
         return out
 
     def _progress(self) -> float:
-        """Share of the schedule done: by steps, or by time under training.max_minutes."""
-        t, step = self.config.training, self.state.step
-        by_steps = (step - self.warmup) / max(1, self.total - self.warmup)
-        if t.max_minutes is None:
-            return by_steps
-        return max(by_steps, self.state.seconds / (60 * t.max_minutes))
+        """Share of the schedule done: the largest of the steps (unless training.max_tokens
+        alone ends the run), the time (training.max_minutes) and the tokens."""
+        t, s = self.config.training, self.state
+        shares = [s.seconds / (60 * t.max_minutes)] if t.max_minutes is not None else []
+        shares += [s.tokens / t.max_tokens] if t.max_tokens is not None else []
+        if t.max_tokens is None or t.max_steps is not None:
+            shares.append((s.step - self.warmup) / max(1, self.total - self.warmup))
+        return max(shares)
 
-    def _out_of_time(self) -> bool:
-        """training.max_minutes reached on any rank (all ranks stop together)."""
-        limit = self.config.training.max_minutes
-        if limit is None:
+    def _finished(self) -> bool:
+        """The first budget spent ends the run: steps (unless training.max_tokens replaces
+        them), tokens (a global count), or time on any rank (all ranks stop together)."""
+        t, s = self.config.training, self.state
+        by_steps = t.max_tokens is None or t.max_steps is not None
+        if (by_steps and s.step >= self.total) or s.tokens >= (t.max_tokens or math.inf):
+            return True
+        if t.max_minutes is None:
             return False
-        late = torch.tensor(float(self.state.seconds >= 60 * limit), device=self.device)
+        late = torch.tensor(float(s.seconds >= 60 * t.max_minutes), device=self.device)
         return bool(self.accelerator.reduce(late, "sum") > 0)
 
     def _set_lr(self) -> float:
@@ -474,14 +475,14 @@ class Trainer:
                    disable=not self.accelerator.is_main_process)  # fmt: skip
         start, start_tokens = time.perf_counter(), self.state.tokens
         eval_metrics: dict[str, float] = {}
-        finished = self.state.step >= self.total
+        finished = self._finished()
         saved = None  # the state the last checkpoint gathered
         while not finished:
             step_start = time.perf_counter()
             metrics = self.train_step()
             self.state.seconds += time.perf_counter() - step_start
             step = self.state.step
-            finished = step >= self.total or self._out_of_time()
+            finished = self._finished()
             speed = (self.state.tokens - start_tokens) / (time.perf_counter() - start)
             metrics["tokens_per_s"] = speed
             self.history.append({"step": step, "loss": metrics["loss"], "lr": metrics["lr"]})
