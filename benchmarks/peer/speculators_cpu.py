@@ -36,6 +36,13 @@ With `--max-steps`, `--epochs` is set to the epochs those steps need (the loop
 would otherwise run one more step per remaining epoch). Every run writes `peer_stats.json` beside its checkpoints: steps, tokens
 trained (padding excluded), wall and CPU seconds of the training loop.
 
+Two flags are ours, taken out before the rest reaches the package:
+`--max-tokens=N` sets `--max-steps` to the packs N tokens fill (their sampler's
+packs of the training split, on average), and `--snapshots=K` saves K checkpoints
+through the package's own checkpointer, at steps S/K, 2S/K, ... S, into
+`SAVE/snapshot-<step>/` (their numbered folders are overwritten each epoch),
+each listed with its step and tokens in peer_stats.json.
+
     .venv-speculators/bin/python benchmarks/peer/speculators_cpu.py --data-path D ...
 """
 
@@ -90,12 +97,13 @@ def on_cpu(cfg: dict) -> None:
         torch.accelerator.synchronize = lambda device=None: None
 
 
-def watch() -> dict[str, list]:
-    """Clock and CPU time at each training forward and optimizer step (read only)."""
+def watch(snapshot_steps: set[int]) -> dict[str, list]:
+    """Clock and CPU time at each training forward and optimizer step, and a checkpoint
+    after each of `snapshot_steps` (the training itself is read only)."""
     from speculators.models.eagle3 import Eagle3DraftModel
     from speculators.train import trainer
 
-    log: dict[str, list] = {"forward": [], "step": []}
+    log: dict[str, list] = {"forward": [], "step": [], "snapshots": []}
     forward, step = Eagle3DraftModel.forward, trainer.Trainer._optimizers_step
 
     def counted(self, *args, **kwargs):
@@ -107,6 +115,12 @@ def watch() -> dict[str, list]:
     def timed(self):
         step(self)
         log["step"].append((time.perf_counter(), time.process_time()))
+        done = len(log["step"])
+        if done in snapshot_steps:
+            name = f"snapshot-{done}"
+            self.checkpointer.save_checkpoint(self.model, self.optimizers, name)
+            tokens = sum(t for _, _, t in log["forward"][:done])
+            log["snapshots"].append({"step": done, "tokens": tokens, "folder": name})
 
     Eagle3DraftModel.forward = counted
     trainer.Trainer._optimizers_step = timed
@@ -131,8 +145,9 @@ def count_tokens(cfg: dict) -> None:
         save_token_frequency_distribution(data.select(range(rows)), path)
 
 
-def steps_per_epoch(cfg: dict) -> int:
-    """Packed batches per epoch, from the package's own sampler over the train split."""
+def epoch_packs(cfg: dict) -> tuple[int, int]:
+    """(packed batches, tokens) of an epoch, from the package's own sampler over the
+    train split."""
     from speculators.train.data import ArrowDataset
     from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
 
@@ -147,7 +162,7 @@ def steps_per_epoch(cfg: dict) -> int:
         batch_max_length=cfg["total_seq_len"], lengths=data.approx_lengths,
         num_replicas=1, rank=0, seed=cfg["seed"],
     )  # fmt: skip
-    return len(sampler)
+    return len(sampler), int(sum(data.approx_lengths))
 
 
 def stats(log: dict[str, list]) -> dict:
@@ -169,18 +184,34 @@ def stats(log: dict[str, list]) -> dict:
     }
 
 
+def ours(argv: list[str], flag: str) -> tuple[list[str], int | None]:
+    """argv without `--flag=N`, and N (None when absent)."""
+    given = [a for a in argv if a.startswith(f"{flag}=")]
+    rest = [a for a in argv if not a.startswith(f"{flag}=")]
+    return rest, int(given[-1].split("=", 1)[1]) if given else None
+
+
 def main(argv: list[str]) -> None:
     from speculators.train.cli import main as train
     from speculators.train.config import TrainConfig
 
+    argv, max_tokens = ours(argv, "--max-tokens")
+    argv, snapshots = ours(argv, "--snapshots")
     cfg = flat(argv)
     count_tokens(cfg)
+    packs, tokens = epoch_packs(cfg)
+    if max_tokens:
+        cfg["max_steps"] = max(1, round(max_tokens * packs / tokens))
+        argv += [f"--max-steps={cfg['max_steps']}"]
     if cfg["max_steps"] and not any(a.startswith("--epochs") for a in argv):
-        argv += [f"--epochs={math.ceil(cfg['max_steps'] / steps_per_epoch(cfg))}"]
+        argv += [f"--epochs={math.ceil(cfg['max_steps'] / packs)}"]
+    steps = cfg["max_steps"] or 0
     on_cpu(cfg)
-    log = watch()
+    log = watch(
+        {round(k * steps / snapshots) for k in range(1, snapshots + 1)} if snapshots else set()
+    )
     train(TrainConfig.resolve(argv))
-    result = stats(log)
+    result = {**stats(log), "snapshots": log["snapshots"]}
     Path(cfg["save_path"], "peer_stats.json").write_text(json.dumps(result, indent=2))
     print(f"peer_stats {json.dumps(result)}")
 

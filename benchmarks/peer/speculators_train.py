@@ -194,6 +194,15 @@ def last_checkpoint(save: Path) -> Path:
     return max(epochs, key=lambda p: int(p.name))
 
 
+def to_eagle(checkpoint: Path, dest: Path, target: Path) -> None:
+    """`eagletools convert` of one of their checkpoints to the eagle format."""
+    subprocess.run(
+        [str(EAGLETOOLS), "convert", str(checkpoint), str(dest), "--to", "eagle",
+         "--target", str(target), "--force"],
+        check=True,
+    )  # fmt: skip
+
+
 def held_out(recipe: str, overrides: list[str], draft: Path, work: Path) -> dict[str, Any]:
     """Our trainer's held-out metrics (`Trainer.evaluate`) for a finished draft: a
     trainer built with the draft's architecture and vocabulary, the draft's weights
@@ -248,35 +257,49 @@ def score(args: argparse.Namespace, config: Any, draft: Path) -> dict[str, Any]:
     return {"held_out": metrics, "mt_bench": summary}
 
 
-def train(args: argparse.Namespace, config: Any, extra: list[str]) -> dict[str, Any]:
+def peer_data(
+    config: Any, out: Path, train_samples: int | None, reuse: bool
+) -> tuple[dict[str, Any], float]:
+    """OUT/target (their verifier: an HF folder, before the clock) and OUT/data; returns
+    the data record and when the clock started (an earlier capture's time still counts)."""
     from eagletools.dtypes import parse_dtype
     from eagletools.target.folder import export_target
 
-    out = args.output_dir
-    target = out / "target"  # their verifier path: an HF folder (before the clock)
-    if not (target / "config.json").is_file():
-        export_target(config.target.spec, target, parse_dtype(config.target.dtype))
+    if not (out / "target" / "config.json").is_file():
+        export_target(config.target.spec, out / "target", parse_dtype(config.target.dtype))
     record = out / "data" / "peer_data.json"
     start = time.perf_counter()
-    if args.reuse_data and record.is_file():  # its capture time still counts
+    if reuse and record.is_file():
         info = json.loads(record.read_text())
-        start -= info["data_s"]
-    else:
-        info = write_data(config, out / "data", args.train_samples)
-        info["data_s"] = time.perf_counter() - start
-        record.write_text(json.dumps(info, indent=2))
-    deadline = start + 60 * args.minutes
-    print(f"data: {json.dumps(info)}", flush=True)
-    rows = info["train_rows"] + info["eval_rows"]
+        return info, start - info["data_s"]
+    info = write_data(config, out / "data", train_samples)
+    info["data_s"] = time.perf_counter() - start
+    record.write_text(json.dumps(info, indent=2))
+    return info, start
+
+
+def peer_args(config: Any, out: Path, extra: list[str]) -> list[str]:
+    """`speculators train` arguments every run of ours shares: verifier, vocabulary size,
+    logs, seed, what the CPU forces, their autocast dtype, then the caller's."""
     if not any(a.startswith("--hidden-states-dtype") for a in extra):
         extra = [*extra, f"--hidden-states-dtype={peer_dtype(config)}"]
-    common = [
-        "--verifier-name-or-path", str(target),
+    return [
+        "--verifier-name-or-path", str(out / "target"),
         "--draft-vocab-size", str(config.vocab.draft_vocab_size),
         "--log-dir", str(out / "logs"),
         "--seed", str(config.training.seed),
         *CPU_ARGS, *extra,
     ]  # fmt: skip
+
+
+def train(args: argparse.Namespace, config: Any, extra: list[str]) -> dict[str, Any]:
+    out = args.output_dir
+    info, start = peer_data(config, out, args.train_samples, args.reuse_data)
+    target = out / "target"
+    deadline = start + 60 * args.minutes
+    print(f"data: {json.dumps(info)}", flush=True)
+    rows = info["train_rows"] + info["eval_rows"]
+    common = peer_args(config, out, extra)
     max_steps = args.max_steps
     if max_steps is None:
         begun = time.perf_counter()
@@ -300,11 +323,7 @@ def train(args: argparse.Namespace, config: Any, extra: list[str]) -> dict[str, 
     )  # fmt: skip
     minutes = (time.perf_counter() - start) / 60
     checkpoint = last_checkpoint(save)
-    subprocess.run(
-        [str(EAGLETOOLS), "convert", str(checkpoint), str(out / "eagle"), "--to", "eagle",
-         "--target", str(target), "--force"],
-        check=True,
-    )  # fmt: skip
+    to_eagle(checkpoint, out / "eagle", target)
     return {**info, "max_steps": max_steps, "train": stats, "minutes": minutes,
             "checkpoint": str(checkpoint)}  # fmt: skip
 

@@ -17,7 +17,7 @@ from eagletools.target import capture_aux
 from eagletools.target.anatomy import final_norm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "peer"))
-from speculators_cpu import fp32_newton_schulz  # noqa: E402
+from speculators_cpu import fp32_newton_schulz, ours  # noqa: E402
 from speculators_train import their_states  # noqa: E402
 
 
@@ -48,3 +48,10 @@ def test_fp32_muon_stand_in_is_torchs_iteration_at_another_rounding():
         torch.testing.assert_close(ours, theirs.float(), rtol=0, atol=2e-2)  # bf16's rounding
         other = fp32_newton_schulz(grad, coefficients, 4, 1e-7)  # one step fewer is far off
         assert (other - theirs.float()).abs().max() > 5e-2
+
+
+def test_our_flags_leave_the_rest_for_their_trainer():
+    argv = ["--lr=3e-3", "--max-tokens=600000", "--snapshots=4", "--seed", "0"]
+    rest, tokens = ours(argv, "--max-tokens")
+    assert (rest, tokens) == (["--lr=3e-3", "--snapshots=4", "--seed", "0"], 600000)
+    assert ours(rest, "--max-tokens") == (rest, None)
