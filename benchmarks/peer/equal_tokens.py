@@ -28,11 +28,18 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
-from speculators_train import EAGLETOOLS, held_out, peer_args, peer_data, run_trainer, to_eagle
+from speculators_train import (
+    EAGLETOOLS,
+    held_out,
+    peer_args,
+    peer_cli,
+    peer_data,
+    run_trainer,
+    to_eagle,
+)
 
 
 def peer_points(args: argparse.Namespace, config: Any, extra: list[str]) -> list[dict[str, Any]]:
@@ -113,13 +120,7 @@ def interval(m: dict[str, Any], name: str) -> str:
 
 
 def main() -> None:
-    argv = sys.argv[1:]
-    cut = argv.index("--") if "--" in argv else len(argv)
-    argv, extra = argv[:cut], argv[cut + 1 :]
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("recipe")
-    p.add_argument("overrides", nargs="*", help="dotted recipe overrides for both trainers")
-    p.add_argument("--output-dir", required=True, type=Path)
+    p, argv, extra = peer_cli(__doc__)  # the overrides go to both trainers
     p.add_argument("--tokens", required=True, type=int, help="trained tokens of each run")
     p.add_argument("--points", type=int, default=4, help="checkpoints scored along each run")
     p.add_argument("--ours", action="append", default=[], help="KEY=VALUE for our run only")

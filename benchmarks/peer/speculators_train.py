@@ -328,14 +328,20 @@ def train(args: argparse.Namespace, config: Any, extra: list[str]) -> dict[str, 
             "checkpoint": str(checkpoint)}  # fmt: skip
 
 
-def main() -> None:
+def peer_cli(doc: str) -> tuple[argparse.ArgumentParser, list[str], list[str]]:
+    """A harness's parser (recipe, overrides, --output-dir), our argv, and the
+    arguments after `--`, which go to `speculators train`."""
     argv = sys.argv[1:]
     cut = argv.index("--") if "--" in argv else len(argv)
-    argv, extra = argv[:cut], argv[cut + 1 :]
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("recipe")
     p.add_argument("overrides", nargs="*", help="dotted recipe overrides, as for eagletools train")
     p.add_argument("--output-dir", required=True, type=Path)
+    return p, argv[:cut], argv[cut + 1 :]
+
+
+def main() -> None:
+    p, argv, extra = peer_cli(__doc__)
     p.add_argument("--minutes", type=float, default=20.0, help="wall clock: data + training")
     p.add_argument("--max-steps", type=int, help="their optimizer steps (default: calibrated)")
     p.add_argument("--train-samples", type=int, help="first N training conversations only")
