@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -12,10 +13,12 @@ from conftest import tiny_model
 from eagletools.errors import UserError
 from eagletools.target import Target, TargetInfo
 from eagletools.train import trainer as trainer_mod
+from eagletools.train.checkpoint import checkpoint_dir
 from eagletools.train.data import plan_epoch, split_indices
 from eagletools.train.inputs import online_inputs, regeneration_job
 from eagletools.train.recipe import load_config
-from eagletools.train.trainer import Trainer, lr_factor, train
+from eagletools.train.schedule import FINISH_SECONDS, lr_factor, step_seconds_budget
+from eagletools.train.trainer import Trainer, train
 from eagletools.train.ttt import TTTModel
 
 
@@ -533,6 +536,57 @@ def test_max_tokens_ends_the_run_and_its_schedule(tmp_path, monkeypatch, budget)
     assert trainer.state.epoch == (budget > 760) * (budget // 760)
     lrs = [h["lr"] for h in trainer.history]
     assert lrs[-1] < lrs[len(lrs) // 2] < max(lrs)
+
+
+def test_step_seconds_budget_takes_the_tighter_of_the_two():
+    assert step_seconds_budget(None, None) is None
+    assert step_seconds_budget(2.0, None, spent_s=500.0) == 120.0  # the steps alone
+    whole = 60.0 * 10 - 100.0 - 40.0 - FINISH_SECONDS
+    assert step_seconds_budget(None, 10.0, 100.0, 40.0) == whole
+    assert step_seconds_budget(5.0, 10.0, 100.0, 40.0) == 300.0
+    assert step_seconds_budget(9.0, 10.0, 100.0, 40.0) == whole
+
+
+def test_total_minutes_leaves_time_for_the_held_out_pass_and_survives_resume(tmp_path, monkeypatch):
+    """The steps get the whole run's budget less what came before training and the
+    estimated held-out pass, fixed at the first start: a resumed run keeps it."""
+    config = tiny_config("training.max_steps=6", "training.save_every=2",
+                         "training.total_minutes=10", "training.schedule=linear")  # fmt: skip
+    inputs = online_inputs(config, tiny_target(), random_dataset())
+    spent = 120.0
+    trainer = Trainer(config, tmp_path / "a", inputs, started=time.perf_counter() - spent)
+    budget = trainer.state.budget_s
+    assert 600 - spent - FINISH_SECONDS - 30 < budget < 600 - spent - FINISH_SECONDS
+    trainer.state.seconds = budget / 2  # half the time gone: half the decay
+    assert trainer._progress() == pytest.approx(0.5)
+    assert not trainer._finished()
+    trainer.state.seconds = budget
+    assert trainer._finished()
+
+    step = Trainer.train_step
+
+    def interrupted(t):
+        if t.state.step == 3:
+            raise Interrupted
+        return step(t)
+
+    monkeypatch.setattr(Trainer, "train_step", interrupted)
+    with pytest.raises(Interrupted):
+        Trainer(config, tmp_path / "b", inputs, started=time.perf_counter() - spent).run()
+    monkeypatch.setattr(Trainer, "train_step", step)
+    saved = checkpoint_dir(tmp_path / "b" / "checkpoints", 2) / "trainer_state.json"
+    first = json.loads(saved.read_text())["position"]["budget_s"]
+    resumed = Trainer(config, tmp_path / "b", inputs, resume=True)  # started now: more time
+    assert resumed.state.budget_s == first
+
+
+def test_total_minutes_refuses_a_run_with_no_time_left_to_train(tmp_path):
+    config = tiny_config("training.total_minutes=1")
+    inputs = online_inputs(config, tiny_target(), random_dataset())
+    with pytest.raises(UserError, match="training.total_minutes=1.*no time to train"):
+        Trainer(config, tmp_path / "o", inputs, started=time.perf_counter() - 45)
+    with pytest.raises(UserError, match="training.total_minutes"):
+        tiny_config("training.total_minutes=0")
 
 
 def test_max_tokens_is_checked():

@@ -158,6 +158,9 @@ class TrainingSection:
     max_steps: int | None = None  # optimizer steps; overrides num_epochs
     max_minutes: float | None = None  # stop after this much training time; the
     # schedule then follows the larger of the step and the time progress
+    total_minutes: float | None = None  # the whole `eagletools train` run (data stages,
+    # set-up, training, the final held-out pass): training takes what the rest leaves, fixed
+    # when it first starts (mid-run held-out passes, training.eval_every, are not counted)
     max_tokens: int | None = None  # stop once this many tokens (all ranks) are trained,
     # the schedule following them: runs of two trainers compare at equal tokens
     precision: str = "auto"  # bf16 (autocast) | fp32 (either spelling) | auto: the device's
@@ -201,6 +204,8 @@ class TrainingSection:
             (self.num_epochs > 0, "training.num_epochs", "must be positive"),
             (self.max_steps is None or self.max_steps >= 1, "training.max_steps", "must be >= 1"),
             (self.max_minutes is None or self.max_minutes > 0, "training.max_minutes",
+             "must be > 0"),
+            (self.total_minutes is None or self.total_minutes > 0, "training.total_minutes",
              "must be > 0"),
             (self.max_tokens is None or self.max_tokens >= 1, "training.max_tokens",
              "must be >= 1"),

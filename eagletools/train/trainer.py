@@ -42,6 +42,7 @@ from eagletools.train.inputs import (
     vocab_counts,
 )
 from eagletools.train.recipe import TrainConfig, dump_config
+from eagletools.train.schedule import lr_factor, step_seconds_budget
 from eagletools.train.ttt import (
     StepStats,
     TTTModel,
@@ -56,18 +57,6 @@ from eagletools.vocab import run_vocab, save_run_vocab
 log = logging.getLogger(__name__)
 
 
-def lr_factor(
-    step: int, progress: float, warmup_steps: int, min_ratio: float, schedule: str = "cosine"
-) -> float:
-    """Linear warmup over `warmup_steps`, then a cosine or linear decay over `progress`
-    in [0, 1]."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    done = min(1.0, progress)
-    decay = 0.5 * (1 + math.cos(math.pi * done)) if schedule == "cosine" else 1 - done
-    return min_ratio + (1 - min_ratio) * decay
-
-
 @dataclass
 class TrainState:
     """Where a run stands: saved with every checkpoint, restored by --resume."""
@@ -79,15 +68,24 @@ class TrainState:
     skipped_nan_steps: int = 0
     bad_in_row: int = 0
     skipped_masked_samples: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0  # in training steps
+    budget_s: float | None = None  # the steps' time budget, fixed when training first starts
 
 
 class Trainer:
     """One training run; `run()` returns the final held-out metrics."""
 
     def __init__(
-        self, config: TrainConfig, output_dir: str | Path, inputs: TrainInputs, resume: bool = False
+        self,
+        config: TrainConfig,
+        output_dir: str | Path,
+        inputs: TrainInputs,
+        resume: bool = False,
+        started: float | None = None,
     ):
+        """`started`: when the run began (`time.perf_counter()`), for training.total_minutes;
+        None: now."""
+        started = time.perf_counter() if started is None else started
         self.config, self.out, self.inputs = config, Path(output_dir), inputs
         if config.training.num_threads:
             torch.set_num_threads(config.training.num_threads)
@@ -106,6 +104,8 @@ class Trainer:
                 f"{self.out} already holds a training run; pass --resume to continue it "
                 "or choose another --output-dir"
             )
+        if self.state.budget_s is None:
+            self.state.budget_s = self._time_budget(started)
 
     # -- setup -------------------------------------------------------------
 
@@ -356,9 +356,9 @@ class Trainer:
 
     def _progress(self) -> float:
         """Share of the schedule done: the largest of the steps (unless training.max_tokens
-        alone ends the run), the time (training.max_minutes) and the tokens."""
+        alone ends the run), the time (`_time_budget`) and the tokens."""
         t, s = self.config.training, self.state
-        shares = [s.seconds / (60 * t.max_minutes)] if t.max_minutes is not None else []
+        shares = [s.seconds / s.budget_s] if s.budget_s is not None else []
         shares += [s.tokens / t.max_tokens] if t.max_tokens is not None else []
         if t.max_tokens is None or t.max_steps is not None:
             shares.append((s.step - self.warmup) / max(1, self.total - self.warmup))
@@ -371,9 +371,9 @@ class Trainer:
         by_steps = t.max_tokens is None or t.max_steps is not None
         if (by_steps and s.step >= self.total) or s.tokens >= (t.max_tokens or math.inf):
             return True
-        if t.max_minutes is None:
+        if s.budget_s is None:
             return False
-        late = torch.tensor(float(s.seconds >= 60 * t.max_minutes), device=self.device)
+        late = torch.tensor(float(s.seconds >= s.budget_s), device=self.device)
         return bool(self.accelerator.reduce(late, "sum") > 0)
 
     def _set_lr(self) -> float:
@@ -428,33 +428,69 @@ class Trainer:
         metrics.update(lr=lr, grad_norm=float(grad_norm), skipped=float(bad))
         return metrics
 
+    def _held_out_chunks(self) -> list[list[int]]:
+        """The held-out conversations by length, `eval_batch_size` a forward (little padding)."""
+        src, size = self.inputs.source, self.config.training.eval_batch_size
+        order = sorted(range(len(self.eval_idx)), key=lambda i: src.length(self.eval_idx[i]))
+        return [order[i : i + size] for i in range(0, len(order), size)]
+
+    @torch.no_grad()
+    def _held_out_stats(self, chunk: list[int]) -> StepStats:
+        t = self.config.training
+        batch = self.inputs.source.batch([self.eval_idx[i] for i in chunk])
+        aux, last_hidden = features(self.inputs, batch)
+        probs, argmax = self._teacher(batch, last_hidden, training=False)
+        with self.autocast():
+            _, stats = self._unwrapped()(
+                batch.input_ids.to(self.device), aux.to(self.device),
+                batch.loss_mask.to(self.device), probs, argmax, steps=t.eval_ttt_steps,
+                drop_missed=False, train_oov=False,
+            )  # fmt: skip
+        return stats
+
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """Held-out loss, acc_j, simulated and exact acceptance length, each length with a
         bootstrap 95% interval over the held-out conversations (sharded over ranks)."""
         t, start = self.config.training, time.perf_counter()
-        src = self.inputs.source
-        order = sorted(range(len(self.eval_idx)), key=lambda i: src.length(self.eval_idx[i]))
-        size = t.eval_batch_size
-        chunks = [order[i : i + size] for i in range(0, len(order), size)]
-        total = StepStats.zeros(len(order), t.eval_ttt_steps, self.device)
-        model = self._unwrapped()
+        total = StepStats.zeros(len(self.eval_idx), t.eval_ttt_steps, self.device)
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
-        for chunk in chunks[rank::world]:
-            batch = src.batch([self.eval_idx[i] for i in chunk])
-            aux, last_hidden = features(self.inputs, batch)
-            probs, argmax = self._teacher(batch, last_hidden, training=False)
-            with self.autocast():
-                _, stats = model(
-                    batch.input_ids.to(self.device), aux.to(self.device),
-                    batch.loss_mask.to(self.device), probs, argmax, steps=t.eval_ttt_steps,
-                    drop_missed=False, train_oov=False,
-                )  # fmt: skip
-            total.add_(stats, torch.tensor(chunk, device=self.device))
+        for chunk in self._held_out_chunks()[rank::world]:
+            total.add_(self._held_out_stats(chunk), torch.tensor(chunk, device=self.device))
         per_sample = total.map(lambda x: self.accelerator.reduce(x, "sum"))
         seconds = time.perf_counter() - start
         return {**summarize(per_sample, t.ttt_decay), **bootstrap_intervals(per_sample),
                 "eval_seconds": seconds}  # fmt: skip
+
+    def _time_budget(self, started: float) -> float | None:
+        """The steps' seconds (`schedule.step_seconds_budget`), the same on every rank. Under
+        training.total_minutes the final held-out pass is estimated from its longest batch
+        timed now, scaled by tokens: an overestimate, since shorter rows cost less a token."""
+        t = self.config.training
+        held_out = 0.0
+        if t.total_minutes is not None and self.eval_idx:
+            chunks, src = self._held_out_chunks(), self.inputs.source
+            begun = time.perf_counter()
+            self._held_out_stats(chunks[-1])
+            tokens = [sum(src.length(self.eval_idx[i]) for i in c) for c in chunks]
+            world = self.accelerator.num_processes
+            held_out = (time.perf_counter() - begun) * sum(tokens) / tokens[-1] / world
+        budget = step_seconds_budget(t.max_minutes, t.total_minutes,
+                                     time.perf_counter() - started, held_out)  # fmt: skip
+        if budget is None:
+            return None
+        budget = float(self.accelerator.reduce(torch.tensor(budget, device=self.device), "mean"))
+        if budget <= 0:
+            raise UserError(
+                f"training.total_minutes={t.total_minutes}: the data stages and set-up took "
+                f"{(time.perf_counter() - started) / 60:.1f} minutes and the held-out pass "
+                f"needs ~{held_out / 60:.1f}, leaving no time to train; raise "
+                "training.total_minutes or lower data.num_samples (or data.eval_samples)"
+            )
+        if t.total_minutes is not None:
+            log.info("training.total_minutes=%s: %.1f minutes of training steps (held-out "
+                     "pass ~%.1f)", t.total_minutes, budget / 60, held_out / 60)  # fmt: skip
+        return budget
 
     # -- the loop ----------------------------------------------------------
 
@@ -575,6 +611,7 @@ def train(
     """
     from eagletools.data.regenerate import parts_dir
 
+    started = time.perf_counter()  # training.total_minutes counts from here
     out, d = Path(output_dir), config.data
     jobs: list[DataJob] = []
     if d.regenerate.enabled and not d.hidden_states:
@@ -595,4 +632,4 @@ def train(
     load = functools.cache(lambda: target or load_teacher(config))  # only when a stage needs it
     run_stages([job.stage(load) for job in jobs])
     inputs = offline_inputs(config, cache) if cache else online_inputs(config, load(), dataset)
-    return Trainer(config, out, inputs, resume=resume).run()
+    return Trainer(config, out, inputs, resume=resume, started=started).run()
