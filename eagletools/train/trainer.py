@@ -471,7 +471,7 @@ class Trainer:
         if t.total_minutes is not None and self.eval_idx:
             chunks, src = self._held_out_chunks(), self.inputs.source
             begun = time.perf_counter()
-            self._held_out_stats(chunks[-1])
+            float(self._held_out_stats(chunks[-1]).count.sum())  # a host read: GPUs finish first
             tokens = [sum(src.length(self.eval_idx[i]) for i in c) for c in chunks]
             world = self.accelerator.num_processes
             held_out = (time.perf_counter() - begun) * sum(tokens) / tokens[-1] / world
