@@ -14,7 +14,7 @@ from eagletools.errors import UserError
 from eagletools.target import Target, TargetInfo
 from eagletools.train import trainer as trainer_mod
 from eagletools.train.checkpoint import checkpoint_dir
-from eagletools.train.data import plan_epoch, split_indices
+from eagletools.train.data import even_shards, plan_epoch, split_indices
 from eagletools.train.inputs import online_inputs, regeneration_job
 from eagletools.train.recipe import load_config
 from eagletools.train.schedule import FINISH_SECONDS, lr_factor, step_seconds_budget
@@ -536,6 +536,14 @@ def test_max_tokens_ends_the_run_and_its_schedule(tmp_path, monkeypatch, budget)
     assert trainer.state.epoch == (budget > 760) * (budget // 760)
     lrs = [h["lr"] for h in trainer.history]
     assert lrs[-1] < lrs[len(lrs) // 2] < max(lrs)
+
+
+@pytest.mark.parametrize("n, world", [(33, 8), (32, 8), (3, 4), (5, 1), (0, 2)])
+def test_even_shards_give_every_rank_as_many_forwards_and_count_each_item_once(n, world):
+    shares = [even_shards(list(range(n)), rank, world) for rank in range(world)]
+    assert len({len(share) for share in shares}) == 1  # FSDP2: no rank waits alone
+    counted = sorted(item for share in shares for item, keep in share if keep)
+    assert counted == list(range(n))
 
 
 def test_step_seconds_budget_takes_the_tighter_of_the_two():

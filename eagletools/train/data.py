@@ -123,3 +123,12 @@ def steps_per_epoch(num_batches: int, grad_accum: int) -> int:
             "training.grad_accum or training.pack_tokens, or add data"
         )
     return num_batches // grad_accum
+
+
+def even_shards(items: list[Any], rank: int, world: int) -> list[tuple[Any, bool]]:
+    """This rank's share of `items` as (item, counted), every rank the same length: under
+    FSDP2 each forward all-gathers the weights on every rank, so a rank with one forward
+    fewer would leave the others waiting. A short share repeats the first item, uncounted."""
+    mine = [(item, True) for item in items[rank::world]]
+    short = -(-len(items) // world) - len(mine)
+    return mine + [(items[0], False)] * short if short else mine

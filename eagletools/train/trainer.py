@@ -29,7 +29,14 @@ from eagletools.data.jobs import DataJob
 from eagletools.errors import UserError
 from eagletools.stages import run_stages
 from eagletools.train import checkpoint as ckpt
-from eagletools.train.data import ArgmaxMemo, epoch_rows, split_indices, steps_per_epoch, trainable
+from eagletools.train.data import (
+    ArgmaxMemo,
+    epoch_rows,
+    even_shards,
+    split_indices,
+    steps_per_epoch,
+    trainable,
+)
 from eagletools.train.inputs import (
     TrainInputs,
     cache_job,
@@ -455,8 +462,10 @@ class Trainer:
         t, start = self.config.training, time.perf_counter()
         total = StepStats.zeros(len(self.eval_idx), t.eval_ttt_steps, self.device)
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
-        for chunk in self._held_out_chunks()[rank::world]:
-            total.add_(self._held_out_stats(chunk), torch.tensor(chunk, device=self.device))
+        for chunk, counted in even_shards(self._held_out_chunks(), rank, world):
+            stats = self._held_out_stats(chunk)
+            if counted:
+                total.add_(stats, torch.tensor(chunk, device=self.device))
         per_sample = total.map(lambda x: self.accelerator.reduce(x, "sum"))
         seconds = time.perf_counter() - start
         return {**summarize(per_sample, t.ttt_decay), **bootstrap_intervals(per_sample),
