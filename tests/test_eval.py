@@ -173,8 +173,13 @@ def test_eval_command_end_to_end(tiny_target, tmp_path, capsys):
     first = results["per_prompt"][0]  # results.json's record schema
     assert set(first) == {"id", "category", "turns", "baseline", "speculative", "hf_generate",
                           "greedy_match", "hf_match"}  # fmt: skip
-    assert set(first["baseline"]) == {"new_tokens", "seconds", "tokens_per_s"}
-    assert set(first["speculative"]) == {"new_tokens", "seconds", "tokens_per_s", "accepted"}
+    assert set(first["baseline"]) == {"new_tokens", "seconds", "tokens_per_s", "tokens"}
+    assert set(first["speculative"]) == {"new_tokens", "seconds", "tokens_per_s", "tokens",
+                                         "accepted"}  # fmt: skip
+    # each turn's tokens: what makes two runs' (or engines') outputs comparable
+    assert len(first["baseline"]["tokens"]) == 2
+    assert sum(map(len, first["baseline"]["tokens"])) == first["baseline"]["new_tokens"]
+    assert first["speculative"]["tokens"] == first["baseline"]["tokens"]
     report = (out / "results.md").read_text()
     assert report.startswith("# eagletools eval") and "steps eager (`--compile`" in report
     for png in ("acceptance_by_position.png", "speedup_by_category.png"):

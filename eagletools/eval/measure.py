@@ -45,7 +45,8 @@ class Run:
     def record(self) -> dict:
         n = self.num_tokens
         out = {"new_tokens": n, "seconds": round(self.seconds, 4),
-               "tokens_per_s": n / self.seconds if self.seconds else 0.0}  # fmt: skip
+               "tokens_per_s": n / self.seconds if self.seconds else 0.0,
+               "tokens": self.tokens}  # fmt: skip
         if self.accepted is not None:
             out["accepted"] = self.accepted
         if self.counters is not None:

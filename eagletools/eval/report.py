@@ -4,7 +4,8 @@ pipeline's report.md. Every number in every report goes through `_fmt`.
 results.json: `settings` (eval.runner.Settings), `machine` (eval.measure.machine,
 with `load_average_at_end` and `load_during_timing`: `max`, `own_cpus`, `others`,
 `samples`), `summary` (eval.metrics.summarize), `per_prompt` records (each
-method's `new_tokens`, `seconds`, `tokens_per_s`; our speculative decoder's
+method's `new_tokens`, `seconds`, `tokens_per_s` and its `tokens`, one list a turn,
+so two engines' outputs can be compared token by token; our speculative decoder's
 `accepted` per verify step, an engine's `acceptance` counters), `autotune`,
 `tree` (eval.tuning.TreeChoice.record: the shape drafted, `plain` when the
 tune found plain decoding fastest, its `source` and the tune's trials),
