@@ -20,7 +20,8 @@ trainer stepped on, prompts included, padding excluded, as each counts them.
 Arguments after `--` go to `speculators train`; `--ours KEY=VALUE` (repeatable)
 overrides our recipe only (e.g. `--ours data.hidden_states=runs/long/hidden-states`);
 positional overrides go to both. Every stage resumes: rerun the same command; with
-`--label NAME` and other `--ours` settings it adds a run of ours beside the first.
+`--label NAME` and other `--ours` settings it adds a run of ours beside the first,
+with `--peer-label NAME` and other arguments after `--` one of the peer's.
 """
 
 from __future__ import annotations
@@ -45,6 +46,13 @@ from speculators_train import (
 def peer_points(args: argparse.Namespace, config: Any, extra: list[str]) -> list[dict[str, Any]]:
     """The peer's run to `--tokens`, one entry (step, tokens, eagle folder) a snapshot."""
     out = args.output_dir / "peer"
+    if args.peer_label:  # another run of the peer, on the first one's data and verifier
+        variant = args.output_dir / f"peer-{args.peer_label}"
+        variant.mkdir(exist_ok=True)
+        for shared in ("data", "target"):
+            if not (variant / shared).exists():
+                (variant / shared).symlink_to(Path("..") / "peer" / shared)
+        out = variant
     info, _ = peer_data(config, out, None, reuse=True)
     save = out / "ckpt"
     if not (save / "peer_stats.json").is_file():
@@ -127,6 +135,8 @@ def main() -> None:
     p.add_argument("--label", default="ours",
                    help="OUT/LABEL holds our run: another label with other --ours settings "
                         "reuses the peer's run and scores, and the table lists every run")  # fmt: skip
+    p.add_argument("--peer-label", help="OUT/peer-LABEL holds another run of the peer (other "
+                   "arguments after --) on OUT/peer's data; the table lists it beside")  # fmt: skip
     args = p.parse_args(argv)
     from eagletools.train.recipe import load_config
 
@@ -136,7 +146,7 @@ def main() -> None:
     info = json.loads((args.output_dir / "peer" / "data" / "peer_data.json").read_text())
     ours = our_points(args, info["train_tokens"] / info["train_rows"])
     for point in peer:
-        score(args, "speculators", point)
+        score(args, f"speculators-{args.peer_label}" if args.peer_label else "speculators", point)
     for point in ours:
         score(args, "eagletools" if args.label == "ours" else f"eagletools-{args.label}", point)
     rows = scores(args.output_dir / "scores")
