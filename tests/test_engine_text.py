@@ -7,6 +7,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import tiny_model
 
@@ -36,7 +37,8 @@ def _decoder_guess(spec: SpeculativeDecoder, seq: list[int]) -> int:
     return int(spec.draft.to_target_ids(logits[-1].argmax()))
 
 
-def test_replay_guesses_as_the_decoder_does_and_counts_only_hits():
+@pytest.mark.parametrize("prompt_len", [10, 60])  # rows within a masked prefill, and past it
+def test_replay_guesses_as_the_decoder_does_and_counts_only_hits(prompt_len):
     script = load_script()
     seed = int(torch.randint(0, 10_000, ()))  # fresh inputs each run
     model = tiny_model("llama", seed=seed % 97, vocab_size=256).eval()
@@ -45,7 +47,7 @@ def test_replay_guesses_as_the_decoder_does_and_counts_only_hits():
     draft = Eagle3Draft.from_target(model, aux_layer_ids=[1, n // 2, n - 1]).eval()
     runtime = Transformer.from_hf(model, torch.float32)
     spec = SpeculativeDecoder(runtime, draft, tokenizer=None, topk=1, depth=1, num_draft_tokens=2)
-    prompt = torch.randint(0, 256, (10,)).tolist()
+    prompt = torch.randint(0, 256, (prompt_len,)).tolist()
     reply = torch.randint(0, 256, (1,)).tolist()
     while len(reply) < 16:  # the text the draft would write: every next token its guess
         reply.append(_decoder_guess(spec, prompt + reply))
