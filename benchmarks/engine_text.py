@@ -86,13 +86,6 @@ def replay(path: Path, runtime, draft, tokenizer) -> list[dict]:
     return rows
 
 
-def first_difference(a: list[list[int]], b: list[list[int]]) -> int | None:
-    """The first differing token of the first turn, or None where they are equal."""
-    x, y = a[0], b[0]
-    return next((i for i in range(max(len(x), len(y)))
-                 if i >= len(x) or i >= len(y) or x[i] != y[i]), None)  # fmt: skip
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("runs", nargs="+", type=Path, help="results.json files of one benchmark")
@@ -103,6 +96,7 @@ def main() -> None:
 
     from eagletools.decode import Transformer
     from eagletools.dtypes import parse_dtype
+    from eagletools.eval.measure import first_difference
     from eagletools.eval.runner import load_any_draft
     from eagletools.target import load_target
 
@@ -114,7 +108,7 @@ def main() -> None:
     names = [str(path) for path in runs]
     first = next(iter(runs.values()))
     head = "| prompt | " + " | ".join(f"{n}: measured, replayed" for n in names)
-    print(head + (" | first token unlike the first run's |" if len(runs) > 1 else " |"))
+    print(head + (" | first (turn, token) unlike the first run's |" if len(runs) > 1 else " |"))
     print("|---" * (len(runs) + 1 + (len(runs) > 1)) + "|")
     for i, row in enumerate(first):
         cells = [f"{r[i]['measured']:.2f}, {r[i]['replayed']:.2f}" for r in runs.values()]
