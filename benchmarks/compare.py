@@ -48,7 +48,7 @@ HF, OURS = "HF generate (greedy)", "eagletools baseline"
 
 def in_process(args, s: Settings, decoders) -> tuple[list[Method], list[str]]:
     """HF's decoders and ours, on one target, taking each prompt in turn; and notes."""
-    model, eos, n = decoders.target.model, decoders.baseline.eos_ids, args.max_new_tokens
+    model, eos, n = decoders.target.model, decoders.baseline.session.eos_ids, args.max_new_tokens
     chain = SpeculativeDecoder(
         decoders.runtime, decoders.speculative.draft, decoders.target.tokenizer,
         1, args.chain_depth, args.chain_depth + 1, compile=decoders.speculative.compiled,

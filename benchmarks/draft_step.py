@@ -83,7 +83,7 @@ def measure(args: argparse.Namespace) -> dict[str, dict]:
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(runtime.args.vocab_size, (args.context,), generator=gen)
     spec.generate(prompt.tolist(), max_new_tokens=2)  # the draft's cache holds the prompt
-    step = functools.partial(spec._draft_step, spec.last.draft_len)  # a `tree.DraftStep`
+    step = functools.partial(spec._draft_step, spec.session.last.draft_len)  # a `tree.DraftStep`
     k, width = args.topk, draft.config.hidden_size
     tokens = torch.randint(runtime.args.vocab_size, (k,), generator=gen)
     hidden = torch.randn(k, width, generator=gen).to(dtype)

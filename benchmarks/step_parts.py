@@ -60,7 +60,9 @@ def main() -> None:
     # wrapped before the first call, so the compiled step never sees a change
     times: dict[str, list[float]] = defaultdict(list)
     for name, decoder in (("baseline", base), ("speculative", spec)):
-        decoder._prefill = timed(times[f"{name}: target prefill (per prompt)"], decoder._prefill)
+        decoder.session.prefill = timed(
+            times[f"{name}: target prefill (per prompt)"], decoder.session.prefill
+        )
     spec._refresh = timed(times["speculative: draft prefill (per prompt)"], spec._refresh)
     base.forward = timed(times["baseline: forward"], base.forward)
     spec.device_step = timed(times["speculative: graph"], spec.device_step)

@@ -18,7 +18,7 @@ def test_left_padded_batch_equals_one_by_one(family):
     prompts = [list(range(10, 40)), [5, 9, 200, 17, 3, 250], [7], list(range(100, 190, 3))]
     eos = {int(BaselineDecoder(runtime, None).generate(prompts[1], 12).tokens[5])}
     baseline = BaselineDecoder(runtime, None)
-    baseline.eos_ids = eos
+    baseline.session.eos_ids = eos
     expected = [baseline.generate(p, 24).tokens for p in prompts]
     assert any(len(e) < 24 for e in expected) and any(len(e) == 24 for e in expected)
     got = generate_batch(runtime, prompts, 24, eos, pad_id=3).tokens

@@ -124,15 +124,15 @@ def test_stops_on_eos_stop_string_and_max_tokens(tokenizer):
         BaselineDecoder(runtime, tokenizer),
         SpeculativeDecoder(runtime, repeat_draft(model), tokenizer, 4, 4, 16),
     ):
-        decoder.eos_ids = set()
+        decoder.session.eos_ids = set()
         full = decoder.generate(prompt, 40)
         assert full.stop_reason == "max_tokens" and len(full.tokens) == 40
         eos = full.tokens[7]
-        decoder.eos_ids = {eos}
+        decoder.session.eos_ids = {eos}
         cut = decoder.generate(prompt, 40)
         first = full.tokens.index(eos)
         assert cut.stop_reason == "eos" and cut.tokens == full.tokens[: first + 1]
-        decoder.eos_ids = set()
+        decoder.session.eos_ids = set()
         stop = full.text[10:13]
         streamed = []
         cut = decoder.generate(prompt, 40, stop_strings=[stop], on_text=streamed.append)
@@ -152,7 +152,7 @@ def test_stops_when_the_context_is_full(tokenizer):
         BaselineDecoder(runtime, tokenizer, max_seq_len=40),
         SpeculativeDecoder(runtime, random_draft(model), tokenizer, 2, 2, 4, max_seq_len=40),
     ):
-        decoder.eos_ids = set()
+        decoder.session.eos_ids = set()
         r = decoder.generate(prompt, 30)
         assert r.stop_reason == "context"
         assert len(prompt) + len(r.tokens) <= 40 + 1  # the last token needs no cache slot
@@ -195,7 +195,7 @@ def test_speculative_sampling_matches_target_distribution():
         exact = _exact_first_tokens(model, prompt, sampling)
     draft = random_draft(model, seed=1)
     spec = SpeculativeDecoder(runtime, draft, None, topk=3, depth=3, num_draft_tokens=8)
-    spec.eos_ids = set()
+    spec.session.eos_ids = set()
     g = torch.Generator().manual_seed(0)
     counts = torch.zeros_like(exact)
     accepted = []
@@ -270,7 +270,7 @@ def test_smollm2_greedy_lossless_and_equal_to_hf():
     runtime = Transformer.from_hf(target.model)
     baseline = BaselineDecoder(runtime, target.tokenizer, max_seq_len=1024)
     spec = SpeculativeDecoder(runtime, random_draft(target.model), target.tokenizer, 4, 4, 12)
-    eos = sorted(baseline.eos_ids)
+    eos = sorted(baseline.session.eos_ids)
     for question in load_benchmark("mt-bench", num_prompts=2):
         ids = chat_ids(target.tokenizer, [{"role": "user", "content": question.turns[0]}])
         expected = baseline.generate(ids, 32).tokens
@@ -355,7 +355,7 @@ def test_padded_refresh_keeps_the_real_rows():
             Transformer.from_hf(model, dtype=dtype), random_draft(model), None, 4, 5, 16
         )
         spec.generate(list(range(10, 40)), 8)
-        start, rows = spec.last.draft_len, spec.path_rows
+        start, rows = spec.session.last.draft_len, spec.path_rows
         aux = torch.randn(rows, 3 * 64, generator=g).to(dtype)
         tokens = torch.randint(0, V, (rows,), generator=g)
         for n in range(1, rows):

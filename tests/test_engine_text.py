@@ -31,8 +31,9 @@ def _decoder_guess(spec: SpeculativeDecoder, seq: list[int]) -> int:
     """The decoder's draft guess after `seq`: its prefill's last row, as `generate` starts."""
     ids = torch.tensor(seq)
     spec.reset()
-    spec._reserve(len(seq) + 8)
-    _, aux = spec.model(ids[None], torch.arange(len(seq)), 0, None, spec.aux_ids)
+    spec.session.reserve(len(seq) + 8)
+    spec._grow_cache()
+    _, aux = spec.model(ids[None], torch.arange(len(seq)), 0, None, spec.session.aux_ids)
     logits, _ = spec._refresh(aux[0, :-1], ids[1:], 0)
     return int(spec.draft.to_target_ids(logits[-1].argmax()))
 

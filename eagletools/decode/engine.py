@@ -112,40 +112,50 @@ def reusable(last: Generation | None, prompt: list[int], drafted: bool) -> int:
     return max(0, min(reuse, common - 1, last.draft_len)) if drafted else reuse
 
 
-class BaselineDecoder:
-    """Plain autoregressive decoding in our runtime: one target forward per token."""
+Decode = Callable[..., Generation]  # (state, aux, stopper, sampling, generator) -> final state
 
-    def __init__(
-        self,
+
+@dataclass
+class Session:
+    """What a decoder keeps of the runtime between calls, and the call around its steps.
+
+    Both decoders hold one, so prompt checks, prefix reuse, prefill and
+    streaming are one code path: a decoder only brings the loop after the
+    first token (`Decode`).
+    """
+
+    model: Transformer
+    tokenizer: object  # None: token ids only, no text
+    max_seq_len: int  # the cache never outgrows it
+    margin: int  # cache slots a step needs beyond the sequence
+    aux_ids: tuple[int, ...] = ()  # target hidden states the prefill must also return
+    eos_ids: set[int] = field(default_factory=set)
+    last: Generation | None = None  # the last call's state: what the caches hold
+    cache_version: int = 0  # the runtime's, when this session last wrote its cache
+
+    @classmethod
+    def open(
+        cls,
         model: Transformer,
         tokenizer,
-        max_seq_len: int | None = None,
-        forward: Callable[..., tuple[torch.Tensor, torch.Tensor | None]] | None = None,
-    ):
-        self.model = model
-        # the target's decode steps and tree verification: `model` or `compiled(model)`;
-        # prompts run through `model` (their lengths vary, compiling each costs more)
-        self.forward = forward or model
-        # cache slots a step needs beyond the sequence; compiled, a lone token runs as a pair
-        self.margin = 1 if forward is None else 2
-        self.aux_ids: tuple[int, ...] = ()  # target hidden states the prefill must also return
-        self.tokenizer = tokenizer  # None: token ids only, no text
-        self.eos_ids = eos_token_ids(tokenizer) if tokenizer is not None else set()
+        max_seq_len: int | None,
+        margin: int,
+        aux_ids: tuple[int, ...] = (),
+    ) -> Session:
         context = model.args.max_seq_len
-        self.max_seq_len = min(max_seq_len or context, context)  # the cache never outgrows it
-        self.last: Generation | None = None  # the last call's state: what the caches hold
-        self.cache_version = 0  # the runtime's, when this decoder last wrote its cache
+        eos = eos_token_ids(tokenizer) if tokenizer is not None else set()
+        return cls(model, tokenizer, min(max_seq_len or context, context), margin, aux_ids, eos)
 
     def reset(self) -> None:
         """Forget the cached conversation (the next prompt is prefilled from scratch)."""
         self.last = None
 
-    def _reserve(self, length: int) -> None:
-        """The runtime's KV cache for this decoder, `length` slots at least.
+    def reserve(self, length: int) -> None:
+        """The runtime's KV cache for this session, `length` slots at least.
 
         It holds what this run needs (prompt + new tokens + a tree), not the
         whole context, and grows as a conversation does (`Transformer.reserve`).
-        Another writer since this decoder's last call (a decoder, a batch) left
+        Another writer since this session's last call (a decoder, a batch) left
         a newer version: then nothing cached is ours.
         """
         self.model.reserve(length, self.max_seq_len)
@@ -153,7 +163,7 @@ class BaselineDecoder:
             self.reset()
         self.cache_version = self.model.claim_cache()
 
-    def _check_prompt(self, prompt: Sequence[int]) -> list[int]:
+    def check_prompt(self, prompt: Sequence[int]) -> list[int]:
         prompt = list(prompt)
         if not prompt:
             raise UserError("the prompt is empty: give at least one token of text")
@@ -165,7 +175,7 @@ class BaselineDecoder:
             )
         return prompt
 
-    def _prefill(self, state: Generation):
+    def prefill(self, state: Generation):
         """Run the prompt after the reused prefix: (last logits [V], aux [1,T,A*H] or None)."""
         model, reuse, end = self.model, state.reused, state.prompt_len
         ids = torch.tensor([state.seq[reuse:end]], device=model.device)
@@ -176,6 +186,7 @@ class BaselineDecoder:
     @torch.inference_mode()
     def generate(
         self,
+        decode: Decode,
         prompt: Sequence[int],
         max_new_tokens: int = 256,
         sampling: Sampling = GREEDY,
@@ -183,30 +194,66 @@ class BaselineDecoder:
         on_text: Callable[[str], None] | None = None,
         generator: torch.Generator | None = None,
     ) -> Result:
-        """Continue `prompt` (token ids); cached KV of a shared prefix is reused."""
-        prompt = self._check_prompt(prompt)
+        """Continue `prompt` (token ids), `decode` taking over after the first token;
+        cached KV of a shared prefix is reused."""
+        prompt = self.check_prompt(prompt)
         start = time.perf_counter()
         n = len(prompt)
         stopper = Stopper(self.tokenizer, self.eos_ids, max_new_tokens, stop_strings, on_text, n)
         with device_guard(self.model.device):  # Triton launches go to the current device
-            self._reserve(n + max_new_tokens + self.margin)
+            self.reserve(n + max_new_tokens + self.margin)
             reuse = reusable(self.last, prompt, drafted=bool(self.aux_ids))
             self.last = None  # until the call ends: an interrupted one leaves nothing reusable
             state = Generation(prompt, n, reuse, target_len=n)
-            logits, aux = self._prefill(state)
+            logits, aux = self.prefill(state)
             state = extend(state, [int(choose(logits, sampling, generator))], stopper)
             if not state.stop_reason:
-                state = self._decode(state, aux, stopper, sampling, generator)
+                state = decode(state, aux, stopper, sampling, generator)
             self.last = state
             seconds = time.perf_counter() - start
         return Result(
             state.reply, stopper.text, state.stop_reason, n, reuse, seconds, list(state.accepted)
         )
 
+
+class BaselineDecoder:
+    """Plain autoregressive decoding in our runtime: one target forward per token."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        tokenizer,
+        max_seq_len: int | None = None,
+        forward: Callable[..., tuple[torch.Tensor, torch.Tensor | None]] | None = None,
+    ):
+        # the target's decode steps: `model` or `compiled(model)`; prompts run through
+        # `model` (their lengths vary, compiling each costs more)
+        self.forward = forward or model
+        # compiled, a lone token runs as a pair
+        self.session = Session.open(model, tokenizer, max_seq_len, 1 if forward is None else 2)
+
+    def reset(self) -> None:
+        self.session.reset()
+
+    def generate(
+        self,
+        prompt: Sequence[int],
+        max_new_tokens: int = 256,
+        sampling: Sampling = GREEDY,
+        stop_strings: Sequence[str] = (),
+        on_text: Callable[[str], None] | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Result:
+        """Continue `prompt` (token ids): a target forward per token after the first."""
+        return self.session.generate(
+            self._decode, prompt, max_new_tokens, sampling, stop_strings, on_text, generator
+        )
+
     def _decode(self, state: Generation, aux, stopper: Stopper, sampling, generator):
         """Steps after the first token until one stops: the final state."""
+        session = self.session
         while not state.stop_reason:
-            if state.target_len + self.margin > self.model.cache_len:
+            if state.target_len + session.margin > session.model.cache_len:
                 return out_of_context(state, stopper)
             state = self._step(state, stopper, sampling, generator)
         return state
@@ -214,14 +261,14 @@ class BaselineDecoder:
     def _step(self, state: Generation, stopper: Stopper, sampling, generator) -> Generation:
         """One target forward over the last token, and the token it gives."""
         length = state.target_len
-        pos = torch.tensor([length], device=self.model.device)
+        pos = torch.tensor([length], device=self.session.model.device)
         logits, _ = self.forward(torch.tensor([state.seq[-1:]], device=pos.device), pos, length)
         state.accepted.append(0)
         state = replace(state, target_len=length + 1)
         return extend(state, [int(choose(logits[0, -1], sampling, generator))], stopper)
 
 
-class SpeculativeDecoder(BaselineDecoder):
+class SpeculativeDecoder:
     """EAGLE-3 tree speculative decoding (docs/design.md 3.6), lossless.
 
     A step is `_device_step` (draft a tree, verify it, refresh the draft over
@@ -251,16 +298,17 @@ class SpeculativeDecoder(BaselineDecoder):
         check_draft_fits(model, draft)
         check_tree_shape(topk, depth, num_draft_tokens)
         self.topk, self.depth, self.num_draft_tokens = topk, depth, num_draft_tokens
-        super().__init__(model, tokenizer, max_seq_len)
-        self.margin = num_draft_tokens + 1
+        self.model = model
+        self.session = Session.open(
+            model, tokenizer, max_seq_len, num_draft_tokens + 1, tuple(draft.config.aux_layer_ids)
+        )
         self.draft = pack_linears(draft.to(model.dtype).eval())
         self.draft.decode_weights()  # made eagerly: a compiled step reads them frozen
-        self.aux_ids = tuple(draft.config.aux_layer_ids)
         self.tree_slots = max_tree_nodes(topk, depth)
         self.path_rows = min(num_draft_tokens, depth + 1)  # most nodes a path holds, root too
         self.cache = DraftKVCache.allocate(
             draft.config, 1, self.tree_slots, model.dtype, model.device
-        )  # grown with the target's (`_reserve`)
+        )  # grown with the target's (`_grow_cache`)
         identity = bool((draft.d2t == 0).all())
         self.d2t = None if identity else draft.d2t
         self.compiled = compile
@@ -276,15 +324,32 @@ class SpeculativeDecoder(BaselineDecoder):
         """What the step's calls write besides their outputs: both KV caches."""
         return self.model.kv_cache.k, self.model.kv_cache.v, self.cache.k, self.cache.v
 
-    def _reserve(self, length: int) -> None:
-        super()._reserve(length)
+    def reset(self) -> None:
+        self.session.reset()
+
+    def generate(
+        self,
+        prompt: Sequence[int],
+        max_new_tokens: int = 256,
+        sampling: Sampling = GREEDY,
+        stop_strings: Sequence[str] = (),
+        on_text: Callable[[str], None] | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Result:
+        """Continue `prompt` (token ids): speculative steps after the first token."""
+        return self.session.generate(
+            self._decode, prompt, max_new_tokens, sampling, stop_strings, on_text, generator
+        )
+
+    def _grow_cache(self) -> None:
+        """The draft's cache as long as the target's (a tree's slots beyond it)."""
         size = self.model.cache_len + self.tree_slots
         if self.cache.k.shape[2] < size:
             self.cache.k, self.cache.v = grown(self.cache.k, size), grown(self.cache.v, size)
 
     def _verify_forward(self, tokens, positions, start, mask):
         """The target over the tree: (logits [1,N,V], aux [1,N,A*H])."""
-        return self.model(tokens, positions, start, mask, self.aux_ids)
+        return self.model(tokens, positions, start, mask, self.session.aux_ids)
 
     def _refresh(
         self,
@@ -324,6 +389,7 @@ class SpeculativeDecoder(BaselineDecoder):
     def _decode(self, state: Generation, aux, stopper: Stopper, sampling, generator):
         """The draft's prefill over the prompt after the reused prefix, then speculative
         steps until one stops: the final state."""
+        self._grow_cache()
         reuse = state.reused
         tokens = torch.tensor(state.seq[reuse + 1 :], device=self.model.device)
         d_logits, d_hidden = self._refresh(aux[0], tokens, reuse, last_only=True)

@@ -225,7 +225,7 @@ def methods(decoders: Decoders, s: Settings, generator: torch.Generator) -> list
                     reference="baseline" if greedy else None)
         )  # fmt: skip
     if s.hf_baseline:
-        eos = decoders.baseline.eos_ids
+        eos = decoders.baseline.session.eos_ids
         out.append(HuggingFace("hf_generate", decoders.target.model, s.max_new_tokens, eos,
                                s.sampling))  # fmt: skip
     return out
