@@ -231,23 +231,11 @@ class BaselineDecoder:
         self.forward = forward or model
         # compiled, a lone token runs as a pair
         self.session = Session.open(model, tokenizer, max_seq_len, 1 if forward is None else 2)
+        # continue a prompt (token ids): the session's call, a forward per token after the first
+        self.generate = functools.partial(self.session.generate, self._decode)
 
     def reset(self) -> None:
         self.session.reset()
-
-    def generate(
-        self,
-        prompt: Sequence[int],
-        max_new_tokens: int = 256,
-        sampling: Sampling = GREEDY,
-        stop_strings: Sequence[str] = (),
-        on_text: Callable[[str], None] | None = None,
-        generator: torch.Generator | None = None,
-    ) -> Result:
-        """Continue `prompt` (token ids): a target forward per token after the first."""
-        return self.session.generate(
-            self._decode, prompt, max_new_tokens, sampling, stop_strings, on_text, generator
-        )
 
     def _decode(self, state: Generation, aux, stopper: Stopper, sampling, generator):
         """Steps after the first token until one stops: the final state."""
@@ -302,6 +290,8 @@ class SpeculativeDecoder:
         self.session = Session.open(
             model, tokenizer, max_seq_len, num_draft_tokens + 1, tuple(draft.config.aux_layer_ids)
         )
+        # continue a prompt (token ids): the session's call, speculative steps after the first
+        self.generate = functools.partial(self.session.generate, self._decode)
         self.draft = pack_linears(draft.to(model.dtype).eval())
         self.draft.decode_weights()  # made eagerly: a compiled step reads them frozen
         self.tree_slots = max_tree_nodes(topk, depth)
@@ -326,20 +316,6 @@ class SpeculativeDecoder:
 
     def reset(self) -> None:
         self.session.reset()
-
-    def generate(
-        self,
-        prompt: Sequence[int],
-        max_new_tokens: int = 256,
-        sampling: Sampling = GREEDY,
-        stop_strings: Sequence[str] = (),
-        on_text: Callable[[str], None] | None = None,
-        generator: torch.Generator | None = None,
-    ) -> Result:
-        """Continue `prompt` (token ids): speculative steps after the first token."""
-        return self.session.generate(
-            self._decode, prompt, max_new_tokens, sampling, stop_strings, on_text, generator
-        )
 
     def _grow_cache(self) -> None:
         """The draft's cache as long as the target's (a tree's slots beyond it)."""
