@@ -286,7 +286,6 @@ class SpeculativeDecoder:
         check_draft_fits(model, draft)
         check_tree_shape(topk, depth, num_draft_tokens)
         self.topk, self.depth, self.num_draft_tokens = topk, depth, num_draft_tokens
-        self.model = model
         self.session = Session.open(
             model, tokenizer, max_seq_len, num_draft_tokens + 1, tuple(draft.config.aux_layer_ids)
         )
@@ -309,6 +308,11 @@ class SpeculativeDecoder:
         elif cuda_graphs:  # on CUDA: captured once per cache allocation, then replayed
             self.verify_forward = graphed(self._verify_forward, model.device, self._caches)
             self.refresh = graphed(self._refresh, model.device, self._caches)
+
+    @property
+    def model(self) -> Transformer:
+        """The target's runtime: the session's, not a second reference to keep in step."""
+        return self.session.model
 
     def _caches(self) -> tuple[torch.Tensor, ...]:
         """What the step's calls write besides their outputs: both KV caches."""
