@@ -34,7 +34,9 @@ from typing import Any
 
 from speculators_train import (
     EAGLETOOLS,
+    PER_SAMPLE,
     held_out,
+    load_per_sample,
     peer_args,
     peer_cli,
     peer_data,
@@ -99,13 +101,15 @@ def our_points(args: argparse.Namespace, tokens_a_row: float) -> list[dict[str, 
     return points[:-2] + points[-1:] if near else points
 
 
-def score(args: argparse.Namespace, trainer: str, point: dict[str, Any]) -> None:
+def score(args: argparse.Namespace, trainer: str, point: dict[str, Any], last: bool) -> None:
     """Held-out metrics of one checkpoint, kept beside its step and tokens (a rerun, or a
-    run of another `--label`, scores only what is new)."""
+    run of another `--label`, scores only what is new). The last point keeps its
+    per-conversation sums too, for the paired differences (scored again if an older
+    version of this script left none)."""
     work = args.output_dir / "scores" / f"{trainer}-{point['step']}"
-    if not (work / "metrics.json").is_file():
+    if not (work / "metrics.json").is_file() or (last and not (work / PER_SAMPLE).is_file()):
         held_out(args.recipe, args.overrides, point["draft"], work)
-    row = {"trainer": trainer, "step": point["step"], "tokens": point["tokens"]}
+    row = {"trainer": trainer, "step": point["step"], "tokens": point["tokens"], "last": last}
     (work / "point.json").write_text(json.dumps(row))
 
 
@@ -127,6 +131,27 @@ def interval(m: dict[str, Any], name: str) -> str:
     return f"{m[name]:.3f} [{lo:.3f}, {hi:.3f}]"
 
 
+def paired(folder: Path, rows: list[dict[str, Any]]) -> list[str]:
+    """Each run of ours against each of the peer's at their last points, resampling the
+    same held-out conversations for both (ttt.paired_difference): the interval of the
+    difference itself, which the runs' own intervals overstate."""
+    from eagletools.train.ttt import paired_difference
+
+    last = {r["trainer"]: r for r in rows if r.get("last")}
+    lines = ["| ours | peer | tokens (ours, peer) | simulated: ours - peer [95%] "
+             "| exact chain: ours - peer [95%] |", "|---|---|---|---|---|"]  # fmt: skip
+    for mine in (r for name, r in last.items() if name.startswith("eagletools")):
+        for theirs in (r for name, r in last.items() if name.startswith("speculators")):
+            d = paired_difference(*(load_per_sample(folder / f"{r['trainer']}-{r['step']}")
+                                    for r in (mine, theirs)))  # fmt: skip
+            cells = [
+                interval(d, f"{n}_acceptance_length_difference") for n in ("simulated", "exact")
+            ]
+            lines.append(f"| {mine['trainer']} | {theirs['trainer']} | "
+                         f"{mine['tokens']:,}, {theirs['tokens']:,} | {cells[0]} | {cells[1]} |")  # fmt: skip
+    return lines
+
+
 def main() -> None:
     p, argv, extra = peer_cli(__doc__)  # the overrides go to both trainers
     p.add_argument("--tokens", required=True, type=int, help="trained tokens of each run")
@@ -145,10 +170,12 @@ def main() -> None:
     peer = peer_points(args, config, extra)
     info = json.loads((args.output_dir / "peer" / "data" / "peer_data.json").read_text())
     ours = our_points(args, info["train_tokens"] / info["train_rows"])
-    for point in peer:
-        score(args, f"speculators-{args.peer_label}" if args.peer_label else "speculators", point)
-    for point in ours:
-        score(args, "eagletools" if args.label == "ours" else f"eagletools-{args.label}", point)
+    for i, point in enumerate(peer):
+        name = f"speculators-{args.peer_label}" if args.peer_label else "speculators"
+        score(args, name, point, last=i == len(peer) - 1)
+    for i, point in enumerate(ours):
+        name = "eagletools" if args.label == "ours" else f"eagletools-{args.label}"
+        score(args, name, point, last=i == len(ours) - 1)
     rows = scores(args.output_dir / "scores")
     (args.output_dir / "summary.json").write_text(json.dumps(rows, indent=2))
     print("| tokens | trainer | step | held-out simulated [95%] | exact chain [95%] |")
@@ -156,6 +183,8 @@ def main() -> None:
     for r in rows:
         print(f"| {r['tokens']:,} | {r['trainer']} | {r['step']} | "
               f"{interval(r, 'simulated_acceptance_length')} | {interval(r, 'exact_acceptance_length')} |")  # fmt: skip
+    print("\nPaired, at the last points (the same held-out conversations resampled for both):")
+    print("\n".join(paired(args.output_dir / "scores", rows)))
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ its recorded capture time to the budget. Arguments after `--` go to `speculators
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -65,6 +66,7 @@ EAGLETOOLS = Path(sys.executable).with_name("eagletools")
 # its first steps run slower: 3 steps timed 1.51 s a step against 0.87 after (long recipe),
 # which left 40% of the budget unused; 20 spread the first ones' cost (not yet timed)
 CALIBRATION_STEPS = 20
+PER_SAMPLE = "per_sample.safetensors"  # held_out's per-conversation sums, beside metrics.json
 # what this CPU forces on `speculators train` (the failures: speculators_cpu.py)
 CPU_ARGS = [
     "--num-workers=0",  # default 12 spawned loader processes, on 2 cores
@@ -207,10 +209,13 @@ def held_out(recipe: str, overrides: list[str], draft: Path, work: Path) -> dict
     """Our trainer's held-out metrics (`Trainer.evaluate`) for a finished draft: a
     trainer built with the draft's architecture and vocabulary, the draft's weights
     loaded in its place."""
+    from safetensors.torch import save_file
+
     from eagletools.formats import load_checkpoint
     from eagletools.train.inputs import online_inputs
     from eagletools.train.recipe import load_config
     from eagletools.train.trainer import Trainer
+    from eagletools.train.ttt import held_out_metrics
     from eagletools.vocab import DraftVocab
 
     ckpt = load_checkpoint(draft)
@@ -231,9 +236,21 @@ def held_out(recipe: str, overrides: list[str], draft: Path, work: Path) -> dict
     missing, unexpected = trainer.draft.load_state_dict(ckpt.tensors, strict=False)
     if set(missing) - {"embed_tokens.weight"} or unexpected:
         raise SystemExit(f"{draft}: tensors do not fit: missing {missing}, unexpected {unexpected}")
-    metrics = trainer.evaluate()
+    per_sample = trainer.held_out_per_sample()
+    save_file({f.name: getattr(per_sample, f.name).cpu().contiguous()
+               for f in dataclasses.fields(per_sample)}, work / PER_SAMPLE)  # fmt: skip
+    metrics = held_out_metrics(per_sample, config.training.ttt_decay)
     (work / "metrics.json").write_text(json.dumps(metrics, indent=2))
     return metrics
+
+
+def load_per_sample(work: Path) -> Any:
+    """`held_out`'s per-conversation stats (ttt.StepStats), for a paired comparison."""
+    from safetensors.torch import load_file
+
+    from eagletools.train.ttt import StepStats
+
+    return StepStats(**load_file(work / PER_SAMPLE))
 
 
 def mt_bench(config: Any, draft: Path, out: Path) -> dict[str, Any]:

@@ -53,8 +53,8 @@ from eagletools.train.schedule import lr_factor, step_seconds_budget
 from eagletools.train.ttt import (
     StepStats,
     TTTModel,
-    bootstrap_intervals,
     format_metrics,
+    held_out_metrics,
     step_counts,
     summarize,
     teacher_targets,
@@ -459,17 +459,21 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """Held-out loss, acc_j, simulated and exact acceptance length, each length with a
         bootstrap 95% interval over the held-out conversations (sharded over ranks)."""
-        t, start = self.config.training, time.perf_counter()
-        total = StepStats.zeros(len(self.eval_idx), t.eval_ttt_steps, self.device)
+        start = time.perf_counter()
+        metrics = held_out_metrics(self.held_out_per_sample(), self.config.training.ttt_decay)
+        return {**metrics, "eval_seconds": time.perf_counter() - start}
+
+    def held_out_per_sample(self) -> StepStats:
+        """Per-conversation held-out sums, every rank's rows: what `evaluate` summarises,
+        and what a paired comparison of two drafts resamples (ttt.paired_difference)."""
+        total = StepStats.zeros(len(self.eval_idx), self.config.training.eval_ttt_steps,
+                                self.device)  # fmt: skip
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
         for chunk, counted in even_shards(self._held_out_chunks(), rank, world):
             stats = self._held_out_stats(chunk)
             if counted:
                 total.add_(stats, torch.tensor(chunk, device=self.device))
-        per_sample = total.map(lambda x: self.accelerator.reduce(x, "sum"))
-        seconds = time.perf_counter() - start
-        return {**summarize(per_sample, t.ttt_decay), **bootstrap_intervals(per_sample),
-                "eval_seconds": seconds}  # fmt: skip
+        return total.map(lambda x: self.accelerator.reduce(x, "sum"))
 
     def _time_budget(self, started: float) -> float | None:
         """The steps' seconds (`schedule.step_seconds_budget`), the same on every rank. Under

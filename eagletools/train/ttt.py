@@ -360,22 +360,64 @@ def format_metrics(metrics: dict[str, float]) -> str:
     return " ".join(out)
 
 
+def _resampled_lengths(stats: StepStats, weights: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Both acceptance lengths [R] of the resamples `weights` [R,N] (row counts)."""
+    correct = weights @ stats.correct.cpu().float()
+    count = (weights @ stats.count.cpu().float()).clamp(min=1.0)
+    return {
+        "simulated": 1 + torch.cumprod(correct / count, dim=1).sum(1),
+        "exact": (weights @ stats.chain.cpu().float()) / count[:, 0],
+    }
+
+
+def _resample_weights(n: int, resamples: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    draws = torch.randint(0, n, (resamples, n), generator=g)
+    return torch.zeros(resamples, n).scatter_add_(1, draws, torch.ones(resamples, n))
+
+
+def _percentiles(values: torch.Tensor, level: float) -> tuple[float, float]:
+    lo, hi = torch.quantile(values, torch.tensor([(1 - level) / 2, (1 + level) / 2])).tolist()
+    return lo, hi
+
+
 def bootstrap_intervals(
     stats: StepStats, resamples: int = 1000, level: float = 0.95, seed: int = 0
 ) -> dict[str, float]:
     """Percentile intervals of both acceptance lengths over samples drawn with
     replacement from the rows (held-out conversations) of per-sample `stats`."""
-    n = stats.count.shape[0]
-    g = torch.Generator().manual_seed(seed)
-    draws = torch.randint(0, n, (resamples, n), generator=g)
-    weights = torch.zeros(resamples, n).scatter_add_(1, draws, torch.ones(resamples, n))
-    correct = weights @ stats.correct.cpu().float()
-    count = (weights @ stats.count.cpu().float()).clamp(min=1.0)
-    simulated = 1 + torch.cumprod(correct / count, dim=1).sum(1)
-    exact = (weights @ stats.chain.cpu().float()) / count[:, 0]
-    q = torch.tensor([(1 - level) / 2, (1 + level) / 2])
+    weights = _resample_weights(stats.count.shape[0], resamples, seed)
     out = {}
-    for name, values in (("simulated", simulated), ("exact", exact)):
-        lo, hi = torch.quantile(values, q).tolist()
+    for name, values in _resampled_lengths(stats, weights).items():
+        lo, hi = _percentiles(values, level)
         out[f"{name}_acceptance_length_lo"], out[f"{name}_acceptance_length_hi"] = lo, hi
+    return out
+
+
+def held_out_metrics(per_sample: StepStats, decay: float) -> dict[str, float]:
+    """`summarize` with both lengths' bootstrap intervals: what a held-out pass reports."""
+    return {**summarize(per_sample, decay), **bootstrap_intervals(per_sample)}
+
+
+def paired_difference(
+    a: StepStats, b: StepStats, resamples: int = 1000, level: float = 0.95, seed: int = 0
+) -> dict[str, float]:
+    """a's acceptance lengths minus b's, with percentile intervals from resampling the
+    same conversations for both: two drafts scored on one held-out set share its easy
+    and hard conversations, so the difference is known more tightly than the two
+    runs' own intervals suggest."""
+    if a.count.shape != b.count.shape or not torch.equal(a.count.cpu(), b.count.cpu()):
+        raise ValueError(
+            "paired_difference: the two stats count different positions; score both "
+            "drafts on the same held-out conversations with the same eval_ttt_steps"
+        )
+    weights = _resample_weights(a.count.shape[0], resamples, seed)
+    mine, theirs = _resampled_lengths(a, weights), _resampled_lengths(b, weights)
+    whole = torch.ones(1, a.count.shape[0])
+    out = {}
+    for name in mine:
+        point = _resampled_lengths(a, whole)[name] - _resampled_lengths(b, whole)[name]
+        lo, hi = _percentiles(mine[name] - theirs[name], level)
+        key = f"{name}_acceptance_length_difference"
+        out[key], out[f"{key}_lo"], out[f"{key}_hi"] = float(point), lo, hi
     return out
