@@ -411,13 +411,13 @@ def paired_difference(
             "paired_difference: the two stats count different positions; score both "
             "drafts on the same held-out conversations with the same eval_ttt_steps"
         )
-    weights = _resample_weights(a.count.shape[0], resamples, seed)
+    n = a.count.shape[0]
+    weights = torch.cat([torch.ones(1, n), _resample_weights(n, resamples, seed)])  # row 0: all
     mine, theirs = _resampled_lengths(a, weights), _resampled_lengths(b, weights)
-    whole = torch.ones(1, a.count.shape[0])
     out = {}
     for name in mine:
-        point = _resampled_lengths(a, whole)[name] - _resampled_lengths(b, whole)[name]
-        lo, hi = _percentiles(mine[name] - theirs[name], level)
+        diff = mine[name] - theirs[name]
+        point, (lo, hi) = diff[0], _percentiles(diff[1:], level)
         key = f"{name}_acceptance_length_difference"
         out[key], out[f"{key}_lo"], out[f"{key}_hi"] = float(point), lo, hi
     return out
