@@ -231,12 +231,15 @@ def test_tree_shape_limits():
         check_tree_shape(0, 3, 4)
 
 
-def test_a_prompt_pass_runs_the_layer_past_attention_for_its_last_token_alone():
+@pytest.mark.parametrize("layers", [1, 2])
+def test_a_prompt_pass_runs_the_layer_past_attention_for_its_last_token_alone(layers):
     """The prompt's draft pass writes every token's K/V but needs the outputs of its last
     token only: `last_only` gives those, equal to the full pass's last row, and the same
-    cache, without the [n, Vd] logits and [n, I] MLP products of a long prompt."""
+    cache, without the [n, Vd] logits and [n, I] MLP products of a long prompt. Earlier
+    layers of a deeper draft run every row: the next layer's K/V read them."""
     torch.manual_seed(0)
-    draft = Eagle3Draft(tiny_draft_config(intermediate_size=96)).eval()
+    draft = Eagle3Draft(tiny_draft_config(intermediate_size=96, num_hidden_layers=layers))
+    draft.eval()
     n = 100  # past 64: the maskless causal path a prompt takes
     hidden, ids = torch.randn(1, n, draft.config.hidden_size), torch.randint(0, 256, (1, n))
     slots = torch.arange(n)

@@ -47,11 +47,23 @@ def test_rope_matches_transformers(scaling):
     torch.testing.assert_close(apply_rope(x, cos, sin), q_hf)
 
 
+def layer_by_layer(draft, embeds, hidden, cos, sin, attend):
+    """The training layers (`qkv`, `finish`, `head`) one after another, each layer's
+    q/k/v through `attend(layer index, q, k, v)`."""
+    q, k, v, res = draft.midlayer.qkv(embeds, hidden, cos, sin)
+    out = draft.midlayer.finish(attend(0, q, k, v), res)
+    for i, layer in enumerate(draft.later_layers(), 1):
+        q, k, v, res = layer.qkv(out, cos, sin)
+        out = layer.finish(attend(i, q, k, v), res)
+    return draft.head(out)
+
+
+@pytest.mark.parametrize("layers", [1, 3], ids=["1-layer", "3-layers"])
 @pytest.mark.parametrize("flags", [False, True], ids=["plain", "all-norms"])
-def test_decode_chain_equals_causal_forward(flags):
+def test_decode_chain_equals_causal_forward(flags, layers):
     torch.manual_seed(0)
     norms = dict.fromkeys(("norm_before_residual", "qk_norm", "fc_norm", "norm_output"), flags)
-    draft = Eagle3Draft(small_config(**norms)).eval()
+    draft = Eagle3Draft(small_config(**norms, num_hidden_layers=layers)).eval()
     b, t = 2, 7
     aux = torch.randn(b, t, 3 * 48)
     ids = torch.randint(0, 256, (b, t))
@@ -59,9 +71,12 @@ def test_decode_chain_equals_causal_forward(flags):
     with torch.no_grad():
         hidden = draft.fuse_aux(aux)
         cos, sin = draft.rope(positions, hidden.dtype)
-        q, k, v, res = draft.midlayer.qkv(draft.embed_tokens(ids), hidden, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        expected, expected_h = draft.head(draft.midlayer.finish(out, res))
+        expected, expected_h = layer_by_layer(
+            draft, draft.embed_tokens(ids), hidden, cos, sin,
+            lambda i, q, k, v: F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, enable_gqa=True
+            ),
+        )  # fmt: skip
 
     cache = DraftKVCache.allocate(draft.config, b, 16, torch.float32, "cpu")
     causal = torch.ones(t, t, dtype=torch.bool).tril()
@@ -86,23 +101,27 @@ def unfused_decode(draft, hidden, ids, positions, cache, slots, mask):
     training layer (`rope`, `qkv`, `finish`, `head`) with SDPA over the cache."""
     cos, sin = draft.rope(positions, hidden.dtype)
     embeds = draft.embed_tokens(ids).to(hidden.dtype)
-    q, k, v, residual = draft.midlayer.qkv(embeds, hidden, cos, sin)
-    cache.k[:, :, slots] = k
-    cache.v[:, :, slots] = v
-    length = mask.shape[-1]
-    keys, values = cache.k[:, :, :length], cache.v[:, :, :length]
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
-    return draft.head(draft.midlayer.finish(out, residual))
+
+    def attend(i, q, k, v):
+        cache.k[i, :, :, slots] = k
+        cache.v[i, :, :, slots] = v
+        length = mask.shape[-1]
+        keys, values = cache.k[i, :, :, :length], cache.v[i, :, :, :length]
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+
+    return layer_by_layer(draft, embeds, hidden, cos, sin, attend)
 
 
 @pytest.mark.parametrize("batch_positions", [False, True], ids=["positions[n]", "positions[B,n]"])
-@pytest.mark.parametrize("flags", [False, True], ids=["plain", "all-norms"])
-def test_decode_equals_the_unfused_layer_bitwise(flags, batch_positions):
+@pytest.mark.parametrize(
+    "flags, layers", [(False, 1), (True, 1), (True, 2)], ids=["plain", "all-norms", "2-layers"]
+)
+def test_decode_equals_the_unfused_layer_bitwise(flags, layers, batch_positions):
     """fp32, a prefill then three tree levels of 3 rows: the same logits, hidden and
     cache, bit for bit, as the training layer's pieces run one by one."""
     torch.manual_seed(0)
     norms = dict.fromkeys(("norm_before_residual", "qk_norm", "fc_norm", "norm_output"), flags)
-    draft = Eagle3Draft(small_config(**norms)).eval()
+    draft = Eagle3Draft(small_config(**norms, num_hidden_layers=layers)).eval()
     for p in draft.parameters():  # norms away from 1, so a skipped one shows
         p.data.add_(torch.randn_like(p) * 0.1)
     b, start, k = 2, 5, 3

@@ -12,7 +12,7 @@ from test_formats import make_ckpt
 
 from eagletools.cli import main as cli
 from eagletools.errors import UserError
-from eagletools.formats import save_checkpoint
+from eagletools.formats import load_checkpoint, save_checkpoint
 from eagletools.formats.engines import (
     ENGINES,
     OPTIONS,
@@ -21,6 +21,7 @@ from eagletools.formats.engines import (
     markdown_table,
     unsupported,
 )
+from eagletools.formats.gguf import check_supported
 from eagletools.target import default_aux_layer_ids
 from eagletools.train.recipe import load_config
 
@@ -49,6 +50,21 @@ def test_non_default_aux_ids_need_the_target_layer_count():
     default = tiny_draft_config(aux_layer_ids=default_aux_layer_ids(8))
     assert unsupported(default, "sgl-jax", 8) == []
     assert unsupported(config, "vllm", 8) == []
+
+
+def test_a_second_layer_is_refused_where_only_one_is_run(tmp_path):
+    config = tiny_draft_config(num_hidden_layers=2)
+    refused = {e for e in ENGINES if unsupported(config, e)}
+    assert refused == {"sglang", "sgl-jax", "llama.cpp", "eagle"}
+    assert all(unsupported(tiny_draft_config(), e) == [] for e in ENGINES)
+    with pytest.raises(UserError, match=r"draft\.engines.*draft\.num_hidden_layers"):
+        load_config(overrides=["draft.num_hidden_layers=2", "draft.engines=[vllm, sglang]"])
+    load_config(overrides=["draft.num_hidden_layers=2", "draft.engines=[vllm]"])
+    save_checkpoint(
+        make_ckpt(aux_layer_ids=[1, 3, 5], num_hidden_layers=2), tmp_path / "d", "eagle"
+    )
+    with pytest.raises(UserError, match=r"num_hidden_layers 2 \(its eagle3 has blk.0 only\)"):
+        check_supported(load_checkpoint(tmp_path / "d").config)  # what convert --to gguf runs
 
 
 def test_unknown_engine_lists_the_known_ones():

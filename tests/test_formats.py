@@ -190,8 +190,9 @@ ROUND_TRIP_CONFIGS = [
     dict(aux_layer_ids=[2, 2, 1], qk_norm=True, target_hidden_size=48, draft_vocab_size=256),
     dict(aux_layer_ids=None, rope_scaling={"rope_type": "linear", "factor": 2.0}),
     dict(aux_layer_ids=[1, 2, 3], fc_norm=True, norm_output=True),
+    dict(aux_layer_ids=[1, 2, 3], num_hidden_layers=3, qk_norm=True),
 ]  # fmt: skip
-ROUND_TRIP_IDS = ["llama3-rope", "qwen3", "no-aux", "eagle3.1"]
+ROUND_TRIP_IDS = ["llama3-rope", "qwen3", "no-aux", "eagle3.1", "3-layers"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -301,6 +302,41 @@ def test_eagle31_fields_and_keys_are_what_the_engines_read(tmp_path):
     (tmp_path / "eagle/config.json").write_text(json.dumps({**cfg, "fc_norm": False}))
     with pytest.raises(UserError, match="unexpected tensor.*fc_norm.0.weight"):
         load_checkpoint(tmp_path / "eagle")
+
+
+def test_later_layers_are_named_as_each_engine_reads_them(tmp_path):
+    """speculators (vLLM): `layers.{i}.*`, each later layer a plain Llama one with its
+    `input_layernorm`; eagle: TensorRT-LLM's list `midlayer.{i}.*`, where a later layer's
+    one norm before attention is `hidden_norm`."""
+    from safetensors import safe_open
+
+    ckpt = make_ckpt(aux_layer_ids=[1, 2, 3], num_hidden_layers=2)
+    keys = {}
+    for fmt in ("eagle", "speculators"):
+        save_checkpoint(ckpt, tmp_path / fmt, fmt, verifier="v")
+        with safe_open(str(tmp_path / fmt / "model.safetensors"), "pt") as f:
+            keys[fmt] = {k for k in set(f.keys()) if "layer" in k}
+    assert {
+        "midlayer.0.hidden_norm.weight",
+        "midlayer.0.input_layernorm.weight",
+        "midlayer.1.hidden_norm.weight",
+        "midlayer.1.self_attn.q_proj.weight",
+    } <= keys["eagle"]
+    assert "midlayer.1.input_layernorm.weight" not in keys["eagle"]
+    assert {
+        "layers.0.hidden_norm.weight",
+        "layers.1.input_layernorm.weight",
+        "layers.1.mlp.down_proj.weight",
+    } <= keys["speculators"]
+    assert "layers.1.hidden_norm.weight" not in keys["speculators"]
+    assert len(keys["eagle"]) == len(keys["speculators"]) == 10 + 9
+    layer = json.loads((tmp_path / "speculators/config.json").read_text())
+    assert layer["transformer_layer_config"]["num_hidden_layers"] == 2
+    assert json.loads((tmp_path / "eagle/config.json").read_text())["num_hidden_layers"] == 2
+    with safe_open(str(tmp_path / "eagle" / "model.safetensors"), "pt") as f:
+        q = f.get_tensor("midlayer.1.self_attn.q_proj.weight")
+    assert q.shape[1] == ckpt.config.hidden_size  # a plain layer reads the hidden alone
+    assert torch.equal(q, ckpt.tensors["layers.1.self_attn.q_proj.weight"])  # fmt: skip
 
 
 def test_speculators_without_norm_before_residual_follows_vllm(tmp_path, caplog):

@@ -81,15 +81,22 @@ def dense_unroll(draft, input_ids, aux, loss_mask, probs, argmax, steps, decay, 
         chunks = aux.split(c.target_hidden_size, dim=-1)
         aux = torch.cat([n(x) for n, x in zip(draft.fc_norm, chunks, strict=True)], dim=-1)
     hidden = draft.fc(aux)
-    ks, vs, loss = [], [], 0.0
+    layers = [draft.midlayer, *draft.later_layers()]
+    ks, vs, loss = [[] for _ in layers], [[] for _ in layers], 0.0
     for j in range(steps):
         ids = torch.zeros_like(input_ids)
         ids[:, : t - 1 - j] = input_ids[:, 1 + j :]
         cos, sin = draft.rope(torch.arange(t) + j, hidden.dtype)
-        q, k, v, res = draft.midlayer.qkv(draft.embed_tokens(ids), hidden, cos, sin)
-        ks.append(k)
-        vs.append(v)
-        out = draft.midlayer.finish(dense_attention(q, ks[0], vs[0], ks[1:], vs[1:]), res)
+        out = None
+        for i, layer in enumerate(layers):
+            if i == 0:
+                q, k, v, res = layer.qkv(draft.embed_tokens(ids), hidden, cos, sin)
+            else:
+                q, k, v, res = layer.qkv(out, cos, sin)
+            ks[i].append(k)
+            vs[i].append(v)
+            attended = dense_attention(q, ks[i][0], vs[i][0], ks[i][1:], vs[i][1:])
+            out = layer.finish(attended, res)
         logp = torch.log_softmax(draft.lm_head(draft.norm(out)), -1)
         hidden = draft.norm(out) if c.norm_output else out  # EAGLE-3.1 carries the normed one
         terms = []
@@ -121,10 +128,11 @@ def batch(draft, b=2, t=12, seed=1):
     return input_ids, aux, loss_mask, probs, argmax
 
 
+@pytest.mark.parametrize("layers", [1, 2], ids=["1-layer", "2-layers"])
 @pytest.mark.parametrize("train_oov", [False, True], ids=["in-vocab", "train-oov"])
 @pytest.mark.parametrize("eagle31", [False, True], ids=["eagle3", "eagle3.1"])
-def test_unroll_matches_dense_reference(eagle31, train_oov):
-    draft = tiny_draft(fc_norm=eagle31, norm_output=eagle31)
+def test_unroll_matches_dense_reference(eagle31, train_oov, layers):
+    draft = tiny_draft(fc_norm=eagle31, norm_output=eagle31, num_hidden_layers=layers)
     if eagle31:  # norm weights away from 1, so that a missing or misplaced norm shows
         with torch.no_grad():
             for p in [*draft.fc_norm.parameters(), draft.norm.weight]:
@@ -136,8 +144,10 @@ def test_unroll_matches_dense_reference(eagle31, train_oov):
     # half the target vocab is outside the draft's: the two losses must differ
     assert not draft.t2d[inputs[4]].all()
     torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)
-    grads = torch.autograd.grad(loss, list(draft.fc.parameters()) + [draft.lm_head.weight])
-    refs = torch.autograd.grad(ref, list(draft.fc.parameters()) + [draft.lm_head.weight])
+    weights = [*draft.fc.parameters(), draft.lm_head.weight, draft.midlayer.mlp.up_proj.weight]
+    weights += [layer.self_attn.q_proj.weight for layer in draft.later_layers()]
+    grads = torch.autograd.grad(loss, weights)
+    refs = torch.autograd.grad(ref, weights)
     for a, b_ in zip(grads, refs, strict=True):
         torch.testing.assert_close(a, b_, atol=1e-5, rtol=1e-4)
     assert stats.count.sum(0).tolist() == step_counts(inputs[2], 4).tolist()

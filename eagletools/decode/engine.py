@@ -324,7 +324,7 @@ class SpeculativeDecoder:
     def _grow_cache(self) -> None:
         """The draft's cache as long as the target's (a tree's slots beyond it)."""
         size = self.model.cache_len + self.tree_slots
-        if self.cache.k.shape[2] < size:
+        if self.cache.k.shape[-2] < size:
             self.cache.k, self.cache.v = grown(self.cache.k, size), grown(self.cache.v, size)
 
     def _verify_forward(self, tokens, positions, start, mask):
@@ -345,7 +345,7 @@ class SpeculativeDecoder:
         hidden = self.draft.fuse_aux(aux)[None]
         slots = start + torch.arange(n, device=tokens.device)
         if isinstance(start, torch.Tensor):  # every slot, hidden after the new ones
-            mask = cache_mask(start, n, self.cache.k.shape[2])
+            mask = cache_mask(start, n, self.cache.k.shape[-2])
         elif n > 64:  # a prompt: causal without a mask, through SDPA's fused kernels
             mask = None
         else:

@@ -26,6 +26,7 @@ class DraftConfig:
     draft_vocab_size: int
     target_hidden_size: int
     num_aux_states: int = 3
+    num_hidden_layers: int = 1  # the EAGLE-3 layer, then plain Llama layers
     aux_layer_ids: list[int] | None = None  # None: unknown (old checkpoints)
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
@@ -48,7 +49,7 @@ class DraftConfig:
         for name in (
             "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
             "head_dim", "vocab_size", "draft_vocab_size", "target_hidden_size",
-            "num_aux_states", "max_position_embeddings",
+            "num_aux_states", "num_hidden_layers", "max_position_embeddings",
         ):  # fmt: skip
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

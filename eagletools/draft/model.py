@@ -1,7 +1,9 @@
 """The EAGLE-3 draft head (docs/design.md 3.3), in one file.
 
 One Llama-style decoder layer whose attention input is the concatenation of
-the normed token embedding and the normed hidden state (2H wide). The layer's
+the normed token embedding and the normed hidden state (2H wide), optionally
+followed by plain Llama decoder layers (`num_hidden_layers` > 1, as speculators'
+`--num-layers` builds them). A layer's
 attention is left to the caller: training-time test attends over a causal
 block plus a diagonal per unrolled step, the tree decoder over a KV cache with
 a tree mask. Training uses `qkv` before and `finish` after its attention;
@@ -11,6 +13,7 @@ and a RoPE table (`DecodeWeights`), made from the same weights.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -61,7 +64,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: DraftConfig):
+    def __init__(self, config: DraftConfig, width: int):
         super().__init__()
         h, hd = config.hidden_size, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = (
@@ -69,9 +72,9 @@ class Attention(nn.Module):
             config.num_key_value_heads,
             hd,
         )
-        self.q_proj = nn.Linear(2 * h, self.num_heads * hd, bias=False)
-        self.k_proj = nn.Linear(2 * h, self.num_kv_heads * hd, bias=False)
-        self.v_proj = nn.Linear(2 * h, self.num_kv_heads * hd, bias=False)
+        self.q_proj = nn.Linear(width, self.num_heads * hd, bias=False)
+        self.k_proj = nn.Linear(width, self.num_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(width, self.num_kv_heads * hd, bias=False)
         self.o_proj = nn.Linear(self.num_heads * hd, h, bias=False)
         if config.qk_norm:
             self.q_norm = RMSNorm(hd, config.rms_norm_eps)
@@ -90,25 +93,28 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class Eagle3Layer(nn.Module):
-    """The `midlayer`: norms, 2H-wide attention projections, SwiGLU MLP."""
+class DecoderLayer(nn.Module):
+    """A plain Llama decoder layer over the draft's hidden [.., H]: the layers after the
+    first. `qkv` before and `finish` after an attention the caller runs."""
 
-    def __init__(self, config: DraftConfig):
+    def __init__(self, config: DraftConfig, width: int | None = None, hidden_norm: bool = False):
         super().__init__()
-        self.norm_before_residual = config.norm_before_residual
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        if hidden_norm:  # registered here: the state dict's order stays the one-layer head's
+            self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, width or config.hidden_size)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
     def qkv(
-        self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """embeds, hidden [B,T,H] -> q [B,nh,T,hd], k, v [B,nkv,T,hd], residual [B,T,H]."""
-        normed = self.hidden_norm(hidden)
-        residual = normed if self.norm_before_residual else hidden
-        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
+        """hidden [B,T,H] -> q [B,nh,T,hd], k, v [B,nkv,T,hd], residual [B,T,H]."""
+        return (*self.project(self.input_layernorm(hidden), cos, sin), hidden)
+
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         attn = self.self_attn
         b, t, _ = x.shape
         q = attn.q_proj(x).view(b, t, attn.num_heads, attn.head_dim).transpose(1, 2)
@@ -116,13 +122,31 @@ class Eagle3Layer(nn.Module):
         v = attn.v_proj(x).view(b, t, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
         if hasattr(attn, "q_norm"):
             q, k = attn.q_norm(q), attn.k_norm(k)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, residual
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def finish(self, attn_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """attn_out [B,nh,T,hd] -> the layer's pre-norm output [B,T,H]."""
         b, _, t, _ = attn_out.shape
         h = self.self_attn.o_proj(attn_out.transpose(1, 2).reshape(b, t, -1)) + residual
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3Layer(DecoderLayer):
+    """The `midlayer`: a decoder layer whose q/k/v read the normed embedding and the
+    normed hidden side by side (2H wide), with its own norm for the hidden."""
+
+    def __init__(self, config: DraftConfig):
+        super().__init__(config, 2 * config.hidden_size, hidden_norm=True)
+        self.norm_before_residual = config.norm_before_residual
+
+    def qkv(  # type: ignore[override]  # the first layer also reads the token embedding
+        self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """embeds, hidden [B,T,H] -> q [B,nh,T,hd], k, v [B,nkv,T,hd], residual [B,T,H]."""
+        normed = self.hidden_norm(hidden)
+        residual = normed if self.norm_before_residual else hidden
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
+        return (*self.project(x, cos, sin), residual)
 
 
 @dataclass(frozen=True)
@@ -137,8 +161,8 @@ class DecodeWeights:
     """
 
     source: tuple[tuple[int, int], ...]  # (storage, version) of each weight fused
-    qkv: torch.Tensor  # [(nh + 2 nkv) * hd, 2H]: q, k, v rows
-    gate_up: torch.Tensor  # [2I, H]: gate, up rows
+    qkv: tuple[torch.Tensor, ...]  # per layer [(nh + 2 nkv) * hd, 2H or H]: q, k, v rows
+    gate_up: tuple[torch.Tensor, ...]  # per layer [2I, H]: gate, up rows
     # [max_position_embeddings, 2, 1, hd]: cos and sin per position, sin with the sign
     # of `rotate_half` folded in (x.roll(hd/2) * sin == rotate_half(x) * |sin|, exactly)
     rope: torch.Tensor
@@ -152,7 +176,7 @@ def _identity(weight: torch.Tensor) -> tuple[int, int]:
 
 @dataclass
 class DraftKVCache:
-    """Static K/V storage for decoding, [B, n_kv_heads, max_len, head_dim]."""
+    """Static K/V storage for decoding, [n_layers, B, n_kv_heads, max_len, head_dim]."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -166,7 +190,10 @@ class DraftKVCache:
         dtype: torch.dtype,
         device: torch.device | str,
     ) -> DraftKVCache:
-        shape = (batch_size, config.num_key_value_heads, max_len, config.head_dim)
+        shape = (
+            config.num_hidden_layers, batch_size, config.num_key_value_heads, max_len,
+            config.head_dim,
+        )  # fmt: skip
         return cls(
             torch.zeros(shape, dtype=dtype, device=device),
             torch.zeros(shape, dtype=dtype, device=device),
@@ -189,6 +216,10 @@ class Eagle3Draft(nn.Module):
                 for _ in range(config.num_aux_states)
             )
         self.midlayer = Eagle3Layer(config)
+        if config.num_hidden_layers > 1:  # keys layers.1.*, ...: speculators' own for them
+            self.layers = nn.ModuleDict(
+                {str(i): DecoderLayer(config) for i in range(1, config.num_hidden_layers)}
+            )
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
         self.rotary = RotaryEmbedding(
@@ -260,6 +291,10 @@ class Eagle3Draft(nn.Module):
                 draft.norm.weight.copy_(anatomy.final_norm(model).weight.float())
         return draft
 
+    def later_layers(self) -> list[DecoderLayer]:
+        """The plain layers after `midlayer`, in order (none for a one-layer head)."""
+        return list(self.layers.values()) if hasattr(self, "layers") else []
+
     def fuse_aux(self, aux: torch.Tensor) -> torch.Tensor:
         """The target's concatenated aux states [.., A*Ht] -> draft hidden [.., H].
 
@@ -302,11 +337,12 @@ class Eagle3Draft(nn.Module):
         """
         if torch.compiler.is_compiling() and self._decode_weights is not None:
             return self._decode_weights  # compiled steps freeze the weights anyway
-        attn, mlp = self.midlayer.self_attn, self.midlayer.mlp
-        parts = (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj)
-        source = tuple(_identity(p.weight) for p in parts)
+        layers = [self.midlayer, *self.later_layers()]
+        qkv = [(a.q_proj, a.k_proj, a.v_proj) for a in (layer.self_attn for layer in layers)]
+        gate_up = [(layer.mlp.gate_proj, layer.mlp.up_proj) for layer in layers]
+        source = tuple(_identity(p.weight) for parts in (*qkv, *gate_up) for p in parts)
         if self._decode_weights is None or self._decode_weights.source != source:
-            weight = attn.q_proj.weight
+            weight = self.midlayer.self_attn.q_proj.weight
             c = self.config
             rotary = RotaryEmbedding(
                 c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings
@@ -316,8 +352,8 @@ class Eagle3Draft(nn.Module):
             sin[:, : c.head_dim // 2].neg_()
             self._decode_weights = DecodeWeights(
                 source,
-                torch.cat([p.weight for p in parts[:3]]),
-                torch.cat([p.weight for p in parts[3:]]),
+                tuple(torch.cat([p.weight for p in parts]) for parts in qkv),
+                tuple(torch.cat([p.weight for p in parts]) for parts in gate_up),
                 torch.stack([cos, sin], dim=1)[:, :, None],
             )
         return self._decode_weights
@@ -342,7 +378,7 @@ class Eagle3Draft(nn.Module):
         [n, L] (or [B,1,n,L]) is True, or, with mask None (a prompt), causally
         over slots up to `slots[-1]` (read back once); the cache holds K/V in the
         draft's dtype. Returns (draft logits [B,n,Vd], the hidden the next step
-        takes [B,n,H]). The layer of `midlayer.qkv` and `finish`, through
+        takes [B,n,H]). The layers of `midlayer.qkv` and `finish`, through
         `decode_weights()`; with a mask its shapes depend on n and L only, and
         nothing is read back from the device. `last_only` (a prompt's pass): every
         token's K/V is written, but attention, MLP and head run for the last token
@@ -350,40 +386,63 @@ class Eagle3Draft(nn.Module):
         [n, Vd] logits and [n, I] MLP products are 0.5-1.4 GB at 8B widths).
         """
         fused = self.decode_weights()
-        layer = self.midlayer
+        layers = [self.midlayer, *self.later_layers()]
+        normed = self.midlayer.hidden_norm(hidden)
+        embeds = self.midlayer.input_layernorm(self.embed_tokens(input_ids).to(hidden.dtype))
+        x = torch.cat([embeds, normed], dim=-1)
+        residual = normed if self.midlayer.norm_before_residual else hidden
+        rope = fused.rope[positions].unbind(-3)  # cos, sin [.., n, 1, hd]
+        last = len(layers) - 1  # with `last_only`, earlier layers still feed every row on
+        step = functools.partial(self._decode_layer, fused=fused, rope=rope, cache=cache,
+                                 slots=slots, mask=mask)  # fmt: skip
+        h = step(0, x, residual, last_only=last_only and last == 0)
+        for i, layer in enumerate(layers[1:], 1):  # its own norm, the residual unnormed
+            h = step(i, layer.input_layernorm(h), h, last_only=last_only and i == last)
+        return self.head(h)
+
+    def _decode_layer(
+        self,
+        i: int,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        fused: DecodeWeights,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        cache: DraftKVCache,
+        slots: torch.Tensor,
+        mask: torch.Tensor | None,
+        last_only: bool,
+    ) -> torch.Tensor:
+        """Layer i of `decode`: its normed input x [B,n,W] and residual [B,n,H] -> its
+        output [B,n,H] (the last row's alone with `last_only`); its K/V go to the
+        cache's entry i at `slots`."""
+        layer = self.midlayer if i == 0 else self.later_layers()[i - 1]
+        qkv_weight, gate_up_weight = fused.qkv[i], fused.gate_up[i]
+        cos, sin = rope
+        keys, values = cache.k[i], cache.v[i]
         attn = layer.self_attn
-        b, n, _ = hidden.shape
+        b, n, _ = x.shape
         nh, nkv, hd = attn.num_heads, attn.num_kv_heads, attn.head_dim
-        normed = layer.hidden_norm(hidden)
-        embeds = layer.input_layernorm(self.embed_tokens(input_ids).to(hidden.dtype))
-        qkv = linear(torch.cat([embeds, normed], dim=-1), fused.qkv, None)
-        qk, v = qkv.split([(nh + nkv) * hd, nkv * hd], dim=-1)
+        qk, v = linear(x, qkv_weight, None).split([(nh + nkv) * hd, nkv * hd], dim=-1)
         qk = qk.view(b, n, nh + nkv, hd)
         if hasattr(attn, "q_norm"):
             q, k = qk.split([nh, nkv], dim=2)
             qk = torch.cat([attn.q_norm(q), attn.k_norm(k)], dim=2)
-        cos, sin = fused.rope[positions].unbind(-3)  # [.., n, 1, hd]
         qk = qk * cos + qk.roll(hd // 2, -1) * sin  # q and k heads in one pass
         q, k = qk.transpose(1, 2).split([nh, nkv], dim=1)
-        cache.k.index_copy_(2, slots, k)
-        cache.v.index_copy_(2, slots, v.view(b, n, nkv, hd).transpose(1, 2))
+        keys.index_copy_(2, slots, k)
+        values.index_copy_(2, slots, v.view(b, n, nkv, hd).transpose(1, 2))
         if last_only:
-            q, hidden, normed, n = q[:, :, -1:], hidden[:, -1:], normed[:, -1:], 1
+            q, residual, n = q[:, :, -1:], residual[:, -1:], 1
             mask = None if mask is None else mask[..., -1:, :]
         if mask is None:  # a long causal run (a prompt): fused kernels, no mask
             length = int(slots[-1]) + 1
-            out = causal_attention(q, cache.k[:, :, :length], cache.v[:, :, :length])
+            out = causal_attention(q, keys[:, :, :length], values[:, :, :length])
         else:
             length = mask.shape[-1]
-            k, v = (
-                heads_for_mask(q, cache.k[:, :, :length]),
-                heads_for_mask(q, cache.v[:, :, :length]),
-            )
+            k, v = heads_for_mask(q, keys[:, :, :length]), heads_for_mask(q, values[:, :, :length])
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != nh
             )
-        residual = normed if layer.norm_before_residual else hidden
         h = linear(out.transpose(1, 2).reshape(b, n, nh * hd), attn.o_proj.weight, None) + residual
-        gate, up = linear(layer.post_attention_layernorm(h), fused.gate_up, None).chunk(2, -1)
-        h = h + linear(F.silu(gate) * up, layer.mlp.down_proj.weight, None)
-        return self.head(h)
+        gate, up = linear(layer.post_attention_layernorm(h), gate_up_weight, None).chunk(2, -1)
+        return h + linear(F.silu(gate) * up, layer.mlp.down_proj.weight, None)

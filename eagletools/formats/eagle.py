@@ -8,6 +8,10 @@ layer OUTPUT indices (SGLang adds 1), i.e. Hugging Face index - 1.
 EAGLE-3.1 drafts set top-level `fc_norm` (tensors `fc_norm.{i}.weight`, one
 per aux state) and `norm_output`, as SpecForge, SGLang, vLLM and TensorRT-LLM
 read them; the SafeAILab code has neither.
+A draft of several layers (`num_hidden_layers` > 1) is laid out as TensorRT-LLM's
+Eagle3DraftModel reads it: `midlayer` becomes a list, `midlayer.0.*` the EAGLE-3
+layer and `midlayer.{i}.*` the plain ones, whose one norm before attention is
+named `hidden_norm` there (`input_layernorm` in `Eagle3Draft`, as speculators).
 """
 
 from __future__ import annotations
@@ -42,6 +46,27 @@ def matches(folder: Path) -> bool:
     )
 
 
+def file_key(key: str, layers: int) -> str:
+    """An `Eagle3Draft` tensor name (`midlayer.*`, `layers.{i}.*`) as a file of `layers`
+    layers names it (`midlayer.{i}.*` beyond one layer)."""
+    if layers == 1 or not key.startswith(("midlayer.", "layers.")):
+        return key
+    if key.startswith("midlayer."):
+        return "midlayer.0." + key.removeprefix("midlayer.")
+    _, i, rest = key.split(".", 2)
+    return f"midlayer.{i}." + rest.replace("input_layernorm.", "hidden_norm.", 1)
+
+
+def draft_key(key: str, layers: int) -> str:
+    """`file_key` undone."""
+    if layers == 1 or not key.startswith("midlayer."):
+        return key
+    _, i, rest = key.split(".", 2)
+    if i == "0":
+        return "midlayer." + rest
+    return f"layers.{i}." + rest.replace("hidden_norm.", "input_layernorm.", 1)
+
+
 def to_hf_ids(eagle_ids: list[int]) -> list[int]:
     return [i + 1 for i in eagle_ids]
 
@@ -59,6 +84,7 @@ def read(folder: Path, allow_pickle: bool = False) -> tuple[DraftConfig, dict[st
         if not k.endswith(IGNORED_SUFFIXES)
     }
     fields = hfconfig.read_layer_fields(cfg, source)
+    tensors = {draft_key(k, fields["num_hidden_layers"]): v for k, v in tensors.items()}
     eagle_cfg = cfg.get("eagle_config") or {}
     ids = eagle_cfg.get("eagle_aux_hidden_state_layer_ids")
     if ids is not None and not (isinstance(ids, list) and all(isinstance(i, int) for i in ids)):
@@ -110,4 +136,7 @@ def write(
     """Write into an existing (temporary) folder. The eagle layout has no verifier field."""
     tensors = cast_floats(tensors, options.dtype)
     hfconfig.write_json(folder / CONFIG, config_dict(config, hfconfig.dtype_name(tensors)))
-    write_tensors(tensors, folder, options.max_shard_bytes)
+    layers = config.num_hidden_layers
+    write_tensors(
+        {file_key(k, layers): v for k, v in tensors.items()}, folder, options.max_shard_bytes
+    )

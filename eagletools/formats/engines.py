@@ -109,8 +109,8 @@ OPTIONS = (
         "tensorrt-llm": Cell(True, "read: loads the eagle layout's lm_head.weight (formats.md)"),
         "eagle": Cell(True, "read: cnets.py loads lm_head.weight (formats.md, eagle layout)"),
     }),
-    DraftOption("num_hidden_layers", "(none: eagletools drafts have one layer)",
-                lambda c, n: False, {
+    DraftOption("num_hidden_layers", "draft.num_hidden_layers",
+                lambda c, n: c.num_hidden_layers > 1, {
         "vllm": Cell(True, "read: vllm models/deepseek_eagle3.py builds num_hidden_layers "
                            "layers (its Llama one not read here)"),
         "sglang": Cell(False, f"{SGLANG} (LlamaForCausalLMEagle3: raises unless 1)"),

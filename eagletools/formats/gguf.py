@@ -118,12 +118,14 @@ def target_layers(config: DraftConfig) -> list[int]:
 def check_supported(config: DraftConfig) -> None:
     """UserError naming every draft feature llama.cpp's eagle3 cannot run."""
     used = [f"{name} ({what})" for name, what in UNSUPPORTED.items() if getattr(config, name)]
+    if config.num_hidden_layers > 1:
+        used.append(f"num_hidden_layers {config.num_hidden_layers} (its eagle3 has blk.0 only)")
     if used:
         raise UserError(
             f"llama.cpp {LLAMACPP_BUILD} cannot run this draft as GGUF: it uses "
             + "; ".join(used)
-            + ". Convert it --to speculators (vLLM) or --to eagle (SGLang, TensorRT-LLM), "
-            "which support it"
+            + ". Convert it --to speculators (vLLM) or --to eagle for an engine that runs it "
+            "(docs/formats.md, 'Which engine computes which draft')"
         )
 
 

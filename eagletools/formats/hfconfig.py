@@ -30,11 +30,6 @@ def read_layer_fields(cfg: dict[str, Any], source: str) -> dict[str, Any]:
     ]
     if missing:
         raise UserError(f"{source}: missing field(s) {missing}")
-    if cfg.get("num_hidden_layers", 1) != 1:
-        raise UserError(
-            f"{source}: field 'num_hidden_layers' is {cfg['num_hidden_layers']}; an EAGLE-3 "
-            "head has one decoder layer and eagletools loads only those"
-        )
     for flag in ("attention_bias", "mlp_bias"):
         if cfg.get(flag):
             raise UserError(f"{source}: field {flag!r} is true; EAGLE-3 heads have no biases")
@@ -58,6 +53,7 @@ def read_layer_fields(cfg: dict[str, Any], source: str) -> dict[str, Any]:
         num_key_value_heads=cfg.get("num_key_value_heads") or heads,
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
         vocab_size=cfg["vocab_size"],
+        num_hidden_layers=cfg.get("num_hidden_layers", 1),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
         rope_scaling=scaling,
@@ -75,7 +71,7 @@ def write_layer_fields(c: DraftConfig) -> dict[str, Any]:
         num_attention_heads=c.num_attention_heads,
         num_key_value_heads=c.num_key_value_heads,
         head_dim=c.head_dim,
-        num_hidden_layers=1,
+        num_hidden_layers=c.num_hidden_layers,
         hidden_act=c.hidden_act,
         rms_norm_eps=c.rms_norm_eps,
         max_position_embeddings=c.max_position_embeddings,

@@ -114,6 +114,7 @@ class DraftSection:
     freeze_head: bool = False  # lm_head = the target's rows of the draft vocab, frozen;
     # the draft's norm starts at 1 and trains (needs init_head_from_target: false)
     intermediate_size: int | None = None  # the MLP's width (None: the target's)
+    num_hidden_layers: int = 1  # > 1: plain Llama layers after the EAGLE-3 one (vLLM, TRT-LLM)
     engines: list[str] = field(default_factory=list)  # serving engines the draft is for
     # (formats.engines.ENGINES): training refuses an option one of them ignores
 
@@ -124,6 +125,7 @@ class DraftSection:
              "draft.init_head_from_target: false with it"),
             (self.intermediate_size is None or self.intermediate_size >= 1,
              "draft.intermediate_size", "must be positive (or null: the target's)"),
+            (self.num_hidden_layers >= 1, "draft.num_hidden_layers", "must be at least 1"),
         ]  # fmt: skip
 
 
@@ -294,7 +296,8 @@ class TrainConfig:
 
         d = self.draft
         options = {"norm_before_residual": d.norm_before_residual, "fc_norm": d.fc_norm,
-                   "norm_output": d.norm_output, "freeze_head": d.freeze_head}  # fmt: skip
+                   "norm_output": d.norm_output, "freeze_head": d.freeze_head,
+                   "num_hidden_layers": d.num_hidden_layers > 1}  # fmt: skip
         check_recipe_options(options, d.engines, f"{source}: draft.engines")
 
     def to_dict(self) -> dict[str, Any]:

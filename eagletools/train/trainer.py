@@ -194,6 +194,7 @@ class Trainer:
             fc_norm=d.fc_norm,
             norm_output=d.norm_output,
             intermediate_size=d.intermediate_size or head_model.config.intermediate_size,
+            num_hidden_layers=d.num_hidden_layers,
         )
         # frozen, so kept in the target's dtype: `from_target` widens a bf16 target's rows to
         # fp32, the same values in twice the bytes (1 GB a process at Llama-3.1-8B's 525M)

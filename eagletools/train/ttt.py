@@ -246,8 +246,9 @@ class TTTModel(nn.Module):
         recipes' accelerate-fsdp.yaml) those would see shards. No-op without FSDP2."""
         from torch.distributed.fsdp import register_fsdp_forward_method
 
+        layers = [self.draft.midlayer, *self.draft.later_layers()]
         for module, names in ((self.draft, ("fuse_aux", "head")),
-                              (self.draft.midlayer, ("qkv", "finish"))):  # fmt: skip
+                              *((layer, ("qkv", "finish")) for layer in layers)):  # fmt: skip
             for name in names:
                 register_fsdp_forward_method(module, name)
 
@@ -284,9 +285,16 @@ class TTTModel(nn.Module):
         t2d = draft.t2d
         drop = self.drop_missed if drop_missed is None else drop_missed
         oov = self.train_oov if train_oov is None else train_oov
-        k0 = v0 = None
-        diag_k: list[torch.Tensor] = []
-        diag_v: list[torch.Tensor] = []
+        layers = [draft.midlayer, *draft.later_layers()]
+        keys: list[list[torch.Tensor]] = [[] for _ in layers]  # per layer: step 0's, diagonals
+        values: list[list[torch.Tensor]] = [[] for _ in layers]
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            keys[i].append(k)
+            values[i].append(v)
+            ks, vs = keys[i], values[i]
+            return ttt_attention(q, ks[0], vs[0], ks[1:], vs[1:], self.chunk, documents)
+
         loss = hidden.new_zeros((), dtype=torch.float32)
         sums, hits, masks = [], [], []
         alive = torch.ones(b, t, device=input_ids.device)  # every earlier step hit
@@ -295,13 +303,11 @@ class TTTModel(nn.Module):
             embeds = draft.embed_tokens(ids).to(hidden.dtype)
             cos, sin = draft.rope(positions + j, hidden.dtype)
             q, k, v, residual = draft.midlayer.qkv(embeds, hidden, cos, sin)
-            if j == 0:
-                k0, v0 = k, v
-            else:
-                diag_k.append(k)
-                diag_v.append(v)
-            out = ttt_attention(q, k0, v0, diag_k, diag_v, self.chunk, documents)
-            logits, hidden = draft.head(draft.midlayer.finish(out, residual))
+            out = draft.midlayer.finish(attend(0, q, k, v), residual)
+            for i, layer in enumerate(layers[1:], 1):
+                q, k, v, residual = layer.qkv(out, cos, sin)
+                out = layer.finish(attend(i, q, k, v), residual)
+            logits, hidden = draft.head(out)
 
             probs = _shift(teacher_probs, 1 + j)
             wanted = _shift(target_argmax, 1 + j)
