@@ -121,7 +121,7 @@ STEP_SCRIPT = textwrap.dedent(
 
     out, batch_size, clip = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
     config = tiny_config(f"training.batch_size={{batch_size}}", "training.max_steps=1",
-                         f"training.grad_clip={{clip}}")
+                         f"training.grad_clip={{clip}}", "draft.num_hidden_layers=2")
     trainer = Trainer(config, out, online_inputs(config, tiny_target(), random_dataset()))
     sharded = dist.is_initialized()
     if sharded:  # accelerate's prepare sharded the draft: FSDP2, not DDP
@@ -158,7 +158,8 @@ def test_fsdp2_trainer_clips_the_sharded_gradients(tmp_path):
     """FSDP2 swaps every parameter inside accelerate's `prepare`: the trainer must clip the
     new ones, or clipping sees no gradient, logs a grad_norm of 0 and clips nothing. Under
     the recipe's auto-wrap policy, `register_fsdp_methods` lets the wrapped layers' methods
-    gather their shards (without it: "mixed torch.Tensor and DTensor")."""
+    gather their shards (without it: "mixed torch.Tensor and DTensor"), a second draft
+    layer's too."""
     script, clip = tmp_path / "step.py", 1e-3
     script.write_text(STEP_SCRIPT.format(tests=str(Path(__file__).parent)))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -2,8 +2,8 @@
 
 One Llama-style decoder layer whose attention input is the concatenation of
 the normed token embedding and the normed hidden state (2H wide), optionally
-followed by plain Llama decoder layers (`num_hidden_layers` > 1, as speculators'
-`--num-layers` builds them). A layer's
+followed by plain Llama decoder layers `layer1`, ... (`num_hidden_layers` > 1, as
+speculators' `--num-layers` builds them). A layer's
 attention is left to the caller: training-time test attends over a causal
 block plus a diagonal per unrolled step, the tree decoder over a KV cache with
 a tree mask. Training uses `qkv` before and `finish` after its attention;
@@ -14,6 +14,7 @@ and a RoPE table (`DecodeWeights`), made from the same weights.
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -61,6 +62,17 @@ class RMSNorm(nn.Module):
         # The weight follows x's dtype (fp32 master weights under bf16 autocast), since
         # the fused kernel needs both alike.
         return F.rms_norm(x, self.weight.shape, self.weight.to(x.dtype), self.eps)
+
+
+def later_layer_name(i: int) -> str:
+    """The attribute (and tensor-name prefix) of plain layer i >= 1: `layer1`, ..."""
+    return f"layer{i}"
+
+
+def split_later_layer_key(key: str) -> tuple[int, str] | None:
+    """(i, the rest) of a tensor name `layer{i}.rest`, else None."""
+    match = re.fullmatch(r"layer([1-9][0-9]*)\.(.+)", key)
+    return (int(match[1]), match[2]) if match else None
 
 
 class Attention(nn.Module):
@@ -216,10 +228,10 @@ class Eagle3Draft(nn.Module):
                 for _ in range(config.num_aux_states)
             )
         self.midlayer = Eagle3Layer(config)
-        if config.num_hidden_layers > 1:  # keys layers.1.*, ...: speculators' own for them
-            self.layers = nn.ModuleDict(
-                {str(i): DecoderLayer(config) for i in range(1, config.num_hidden_layers)}
-            )
+        # children of the draft itself, as `midlayer`: FSDP2 wraps any module past a size,
+        # and refuses a ModuleList or ModuleDict (containers without a forward)
+        for i in range(1, config.num_hidden_layers):
+            self.add_module(later_layer_name(i), DecoderLayer(config))
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
         self.rotary = RotaryEmbedding(
@@ -293,7 +305,7 @@ class Eagle3Draft(nn.Module):
 
     def later_layers(self) -> list[DecoderLayer]:
         """The plain layers after `midlayer`, in order (none for a one-layer head)."""
-        return list(self.layers.values()) if hasattr(self, "layers") else []
+        return [getattr(self, later_layer_name(i)) for i in range(1, self.config.num_hidden_layers)]
 
     def fuse_aux(self, aux: torch.Tensor) -> torch.Tensor:
         """The target's concatenated aux states [.., A*Ht] -> draft hidden [.., H].

@@ -11,7 +11,7 @@ read them; the SafeAILab code has neither.
 A draft of several layers (`num_hidden_layers` > 1) is laid out as TensorRT-LLM's
 Eagle3DraftModel reads it: `midlayer` becomes a list, `midlayer.0.*` the EAGLE-3
 layer and `midlayer.{i}.*` the plain ones, whose one norm before attention is
-named `hidden_norm` there (`input_layernorm` in `Eagle3Draft`, as speculators).
+named `hidden_norm` there (`layer{i}.input_layernorm` in `Eagle3Draft`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from eagletools.draft import DraftConfig
+from eagletools.draft import DraftConfig, later_layer_name, split_later_layer_key
 from eagletools.errors import UserError
 from eagletools.formats import hfconfig
 from eagletools.formats.registry import WriteOptions
@@ -47,13 +47,16 @@ def matches(folder: Path) -> bool:
 
 
 def file_key(key: str, layers: int) -> str:
-    """An `Eagle3Draft` tensor name (`midlayer.*`, `layers.{i}.*`) as a file of `layers`
+    """An `Eagle3Draft` tensor name (`midlayer.*`, `layer{i}.*`) as a file of `layers`
     layers names it (`midlayer.{i}.*` beyond one layer)."""
-    if layers == 1 or not key.startswith(("midlayer.", "layers.")):
+    if layers == 1:
         return key
     if key.startswith("midlayer."):
         return "midlayer.0." + key.removeprefix("midlayer.")
-    _, i, rest = key.split(".", 2)
+    later = split_later_layer_key(key)
+    if later is None:
+        return key
+    i, rest = later
     return f"midlayer.{i}." + rest.replace("input_layernorm.", "hidden_norm.", 1)
 
 
@@ -64,7 +67,7 @@ def draft_key(key: str, layers: int) -> str:
     _, i, rest = key.split(".", 2)
     if i == "0":
         return "midlayer." + rest
-    return f"layers.{i}." + rest.replace("hidden_norm.", "input_layernorm.", 1)
+    return f"{later_layer_name(int(i))}." + rest.replace("hidden_norm.", "input_layernorm.", 1)
 
 
 def to_hf_ids(eagle_ids: list[int]) -> list[int]:

@@ -1,6 +1,7 @@
 """The `speculators` layout: what vLLM reads (package `speculators`, pinned to 0.9.0 here).
 
-Same tensors as `eagle` with `layers.0.*` for `midlayer.*`; `config.json` has
+Same tensors as `eagle` with `layers.0.*` for `midlayer.*` (and `layers.{i}.*` for a
+later layer's `layer{i}.*`); `config.json` has
 `speculators_model_type: "eagle3"`, the decoder layer as a nested
 `transformer_layer_config` (llama, or qwen3 with q/k norms) whose `vocab_size`
 is the target's, and top-level `eagle_aux_hidden_state_layer_ids` in Hugging
@@ -28,7 +29,7 @@ from typing import Any
 
 import torch
 
-from eagletools.draft import DraftConfig
+from eagletools.draft import DraftConfig, later_layer_name, split_later_layer_key
 from eagletools.errors import UserError
 from eagletools.formats import hfconfig
 from eagletools.formats.registry import WriteOptions
@@ -53,13 +54,23 @@ def matches(folder: Path) -> bool:
 
 
 def to_eagle_key(key: str) -> str:
+    """A file's tensor name as `Eagle3Draft` has it: `layers.0.` is `midlayer.`, a
+    later `layers.{i}.` is `layer{i}.`."""
     ours, theirs = LAYER_PREFIX
-    return ours + key.removeprefix(theirs) if key.startswith(theirs) else key
+    if key.startswith(theirs):
+        return ours + key.removeprefix(theirs)
+    if key.startswith("layers."):
+        _, i, rest = key.split(".", 2)
+        return f"{later_layer_name(int(i))}.{rest}"
+    return key
 
 
 def from_eagle_key(key: str) -> str:
     ours, theirs = LAYER_PREFIX
-    return theirs + key.removeprefix(ours) if key.startswith(ours) else key
+    if key.startswith(ours):
+        return theirs + key.removeprefix(ours)
+    later = split_later_layer_key(key)
+    return f"layers.{later[0]}.{later[1]}" if later else key
 
 
 def read(folder: Path, allow_pickle: bool = False) -> tuple[DraftConfig, dict[str, torch.Tensor]]:
