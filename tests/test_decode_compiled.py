@@ -54,10 +54,11 @@ def test_compiled_tree_verify_equals_compiled_one_token_decoding_in_bf16(bf16):
     assert path_mismatches(runtime, seed=3, trials=8, forward=forward) == 0
 
 
+@pytest.mark.parametrize("layers", [1, 2])
 @torch.inference_mode()
-def test_compiled_speculative_decoding_equals_compiled_plain_decoding_in_bf16(bf16):
+def test_compiled_speculative_decoding_equals_compiled_plain_decoding_in_bf16(bf16, layers):
     model, runtime, forward = bf16
-    draft = repeat_draft(model)  # accepted where the target repeats itself
+    draft = repeat_draft(model, layers)  # accepted where the target repeats itself
     prompts = [list(range(10, 40)), [5, 9, 200, 17, 3, 250]]
     plain = BaselineDecoder(runtime, None, forward=forward)
     spec = SpeculativeDecoder(runtime, draft, None, 2, 3, 6, compile=True)

@@ -31,23 +31,24 @@ def tokenizer():
     return ByT5Tokenizer()
 
 
-def repeat_draft(model) -> Eagle3Draft:
+def repeat_draft(model, layers: int = 1) -> Eagle3Draft:
     """A draft that proposes the target's own last prediction again.
 
     fc passes the target's final state (aux id N, after its norm) through, the
-    layer adds nothing, and the draft's norm (the target's: ones in a tiny
+    layers add nothing, and the draft's norm (the target's: ones in a tiny
     random target) leaves a normed state as it is, so the draft's logits are
     the target's: accepted exactly when the target repeats a token, which tiny
     random targets often do.
     """
     n = model.config.num_hidden_layers
-    draft = Eagle3Draft.from_target(model, aux_layer_ids=[n, n, n])
+    draft = Eagle3Draft.from_target(model, aux_layer_ids=[n, n, n], num_hidden_layers=layers)
     h = draft.config.hidden_size
     with torch.no_grad():
         draft.fc.weight.zero_()
         draft.fc.weight[:, :h] = torch.eye(h)
-        draft.midlayer.self_attn.o_proj.weight.zero_()
-        draft.midlayer.mlp.down_proj.weight.zero_()
+        for layer in (draft.midlayer, *draft.later_layers()):
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
     return draft
 
 
@@ -64,7 +65,9 @@ def test_greedy_speculative_equals_baseline(family, shape, tokenizer):
     baseline = BaselineDecoder(runtime, tokenizer)
     prompts = [list(range(10, 40)), [5, 9, 200, 17, 3, 250]]
     expected = [baseline.generate(p, 48).tokens for p in prompts]
-    for draft, accepts in ((repeat_draft(model), True), (random_draft(model), False)):
+    drafts = [(repeat_draft(model), True), (random_draft(model), False)]
+    drafts.append((repeat_draft(model, layers=2), True))  # a K/V cache entry per layer
+    for draft, accepts in drafts:
         spec = SpeculativeDecoder(runtime, draft, tokenizer, *shape)
         results = [spec.generate(p, 48) for p in prompts]
         assert [r.tokens for r in results] == expected
