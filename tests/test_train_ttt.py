@@ -180,11 +180,16 @@ def saved_numel(draft, t: int) -> int:
     return sum(sizes)
 
 
-def test_memory_linear_in_length():
-    """A dense [T, T*j] score per step would make this ratio ~2.9, not 2."""
-    draft = tiny_draft()
+@pytest.mark.parametrize("layers", [1, 2])
+def test_memory_linear_in_length(layers):
+    """A dense [T, T*j] score per step would make this ratio ~2.9, not 2; a second layer
+    keeps it linear (its chunked attention too) and adds at most one layer's worth."""
+    draft = tiny_draft(num_hidden_layers=layers)
     ratio = saved_numel(draft, 384) / saved_numel(draft, 192)
     assert ratio < 2.2, ratio
+    if layers == 2:
+        one = saved_numel(tiny_draft(), 384)
+        assert saved_numel(draft, 384) < 2 * one
 
 
 def test_teacher_sharpened_and_mixed_with_its_argmax():

@@ -229,6 +229,7 @@ def held_out(recipe: str, overrides: list[str], draft: Path, work: Path) -> dict
         f"draft.fc_norm={str(c.fc_norm).lower()}",
         f"draft.norm_output={str(c.norm_output).lower()}",
         f"draft.intermediate_size={c.intermediate_size}",
+        f"draft.num_hidden_layers={c.num_hidden_layers}",
         f"target.aux_layer_ids={list(c.aux_layer_ids)}",
     ]
     config = load_config(recipe, overrides + shape)
