@@ -73,6 +73,7 @@ def stages(config: TrainConfig, out: Path) -> list[Stage]:
 
     questions = _read_benchmarks(config)
     device = str(resolve_device(config.eval.device, "eval.device"))  # fails now, not after training
+    _check_engines_run_the_draft(config)
 
     target = config.target.spec
     train_dir = out / "train"
@@ -108,6 +109,15 @@ def stages(config: TrainConfig, out: Path) -> list[Stage]:
         ),
         *engine_stages(config, out, questions, device),
     ]
+
+
+def _check_engines_run_the_draft(config: TrainConfig) -> None:
+    """Refuse, before training, a draft option one of eval.engines would ignore (a second
+    layer and llama.cpp: its GGUF conversion would fail after the whole run)."""
+    from eagletools.formats.engines import ENGINES, check_recipe_options
+
+    named = [e for e in config.eval.engines if e in ENGINES]  # unknown ones: installed_engines
+    check_recipe_options(config.draft.options(), named, "eval.engines")
 
 
 def installed_engines(config: TrainConfig) -> list[str]:

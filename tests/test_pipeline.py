@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from test_data_chat import CORPUS
 
 from eagletools.cli import main
+from eagletools.errors import UserError
 from eagletools.eval.benchmarks import Question
 from eagletools.pipeline import sample_across_categories
+from eagletools.train.recipe import load_config
 
 
 def write_inputs(tmp_path):
@@ -86,6 +89,19 @@ def test_spec_bench_sample_spreads_over_categories():
     picked = sample_across_categories(questions, 4)
     assert [q.category for q in picked] == ["a", "b", "c", "a"]
     assert len(sample_across_categories(questions, 99)) == 6
+
+
+def test_a_draft_an_eval_engine_cannot_run_fails_before_training(tmp_path, monkeypatch):
+    """llama.cpp runs one-layer drafts only: the recipe's eval.engines naming it refuses a
+    second layer before training, not at the GGUF conversion after it."""
+    import eagletools.pipeline as pipeline
+
+    monkeypatch.setattr(pipeline, "run_stages", lambda *a, **k: pytest.fail("stages ran"))
+    config = load_config(overrides=["draft.num_hidden_layers=2", "eval.engines=[vllm, llama.cpp]"])
+    with pytest.raises(UserError, match=r"eval.engines: llama.cpp .*num_hidden_layers"):
+        pipeline.run_pipeline(config, tmp_path / "run")
+    vllm = load_config(overrides=["draft.num_hidden_layers=2", "eval.engines=[vllm]"])
+    assert pipeline.stages(vllm, tmp_path / "vllm")[0].name == "train"
 
 
 def test_a_missing_benchmark_fails_before_training(tmp_path, monkeypatch, capsys):

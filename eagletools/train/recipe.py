@@ -118,6 +118,12 @@ class DraftSection:
     engines: list[str] = field(default_factory=list)  # serving engines the draft is for
     # (formats.engines.ENGINES): training refuses an option one of them ignores
 
+    def options(self) -> dict[str, bool]:
+        """Which of the options `formats.engines` tracks this draft uses, by config name."""
+        return {"norm_before_residual": self.norm_before_residual, "fc_norm": self.fc_norm,
+                "norm_output": self.norm_output, "freeze_head": self.freeze_head,
+                "num_hidden_layers": self.num_hidden_layers > 1}  # fmt: skip
+
     def checks(self) -> list[Check]:
         return [
             (not (self.freeze_head and self.init_head_from_target), "draft.freeze_head",
@@ -294,11 +300,7 @@ class TrainConfig:
             )
         from eagletools.formats.engines import check_recipe_options
 
-        d = self.draft
-        options = {"norm_before_residual": d.norm_before_residual, "fc_norm": d.fc_norm,
-                   "norm_output": d.norm_output, "freeze_head": d.freeze_head,
-                   "num_hidden_layers": d.num_hidden_layers > 1}  # fmt: skip
-        check_recipe_options(options, d.engines, f"{source}: draft.engines")
+        check_recipe_options(self.draft.options(), self.draft.engines, f"{source}: draft.engines")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
