@@ -51,8 +51,20 @@ def test_release_report(tmp_path, capsys):
     assert r["config"]["max_position_embeddings"] == 2048
     main(["inspect", str(src)])
     text = capsys.readouterr().out
-    assert f"{src}: eagle format" in text and "float16 x13" in text
+    assert f"{src}: eagle format" in text and "float16 x13" in text and "layers: 1," in text
     assert "[ok] t2d.sum() == Vd" in text and "aux layers: not recorded" in text
+
+
+def test_a_two_layer_draft_reports_its_layers_and_weights(tmp_path, capsys):
+    ckpt = make_ckpt(aux_layer_ids=[1, 2, 3], num_hidden_layers=2)
+    save_checkpoint(ckpt, tmp_path / "d", "eagle")
+    rc, r = inspect_json(capsys, tmp_path / "d")
+    assert rc == 0 and r["config"]["num_hidden_layers"] == 2
+    assert r["parameters"] == sum(
+        v.numel() for k, v in ckpt.tensors.items() if v.is_floating_point() and "embed" not in k
+    )
+    main(["inspect", str(tmp_path / "d")])
+    assert "layers: 2, hidden 64" in capsys.readouterr().out
 
 
 def test_aux_layers_in_both_conventions(tmp_path, capsys):

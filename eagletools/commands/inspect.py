@@ -63,7 +63,8 @@ def render(r: dict[str, Any]) -> str:
     v = r["vocab"]
     lines = [
         f"{r['path']}: {r['format']} format",
-        f"  layer: hidden {c['hidden_size']}, intermediate {c['intermediate_size']}, heads "
+        f"  layers: {c['num_hidden_layers']}, hidden {c['hidden_size']}, intermediate "
+        f"{c['intermediate_size']}, heads "
         f"{c['num_attention_heads']}/{c['num_key_value_heads']} kv, head_dim {c['head_dim']}, "
         f"qk_norm {c['qk_norm']}, norm_before_residual {c['norm_before_residual']}",
         f"  fc: {c['num_aux_states']} aux states x target hidden {c['target_hidden_size']}",
