@@ -299,7 +299,7 @@ def test_kv_cache_holds_the_run_not_the_context(tokenizer):
         cache = runtime.kv_cache
         # CPU: what exact attention computes in, so no step converts the cache
         assert (cache.k.dtype, cache.v.dtype) == (torch.float32, torch.float64)
-        return {t.shape[3] for t in (cache.k, cache.v)}, spec.cache.k.shape[2]
+        return {t.shape[3] for t in (cache.k, cache.v)}, spec.cache.k.shape[-2]
 
     turn1 = list(range(20, 60))
     first = spec.generate(turn1, 16)
@@ -337,8 +337,9 @@ def test_a_speculative_step_waits_on_the_device_once():
 def _refresh(spec: SpeculativeDecoder, aux, tokens, start: int) -> list[torch.Tensor]:
     """The draft's refresh: logits, hidden and the cache entries it wrote, one row per token."""
     logits, hidden = spec._refresh(aux, tokens, start)
-    written = [
-        c[0, :, start : start + len(tokens)].transpose(0, 1) for c in (spec.cache.k, spec.cache.v)
+    written = [  # layer 0, batch row 0: [n, nkv, hd]
+        c[0, 0, :, start : start + len(tokens)].transpose(0, 1)
+        for c in (spec.cache.k, spec.cache.v)
     ]
     return [logits, hidden, *(t.clone() for t in written)]
 
