@@ -324,8 +324,10 @@ class SpeculativeDecoder:
     def _grow_cache(self) -> None:
         """The draft's cache as long as the target's (a tree's slots beyond it)."""
         size = self.model.cache_len + self.tree_slots
-        if self.cache.k.shape[-2] < size:
-            self.cache.k, self.cache.v = grown(self.cache.k, size), grown(self.cache.v, size)
+        if self.cache.k.shape[-2] < size:  # a new cache: its per-layer views follow
+            from eagletools.draft import DraftKVCache
+
+            self.cache = DraftKVCache(grown(self.cache.k, size), grown(self.cache.v, size))
 
     def _verify_forward(self, tokens, positions, start, mask):
         """The target over the tree: (logits [1,N,V], aux [1,N,A*H])."""

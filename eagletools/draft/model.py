@@ -17,7 +17,7 @@ import functools
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -188,10 +188,17 @@ def _identity(weight: torch.Tensor) -> tuple[int, int]:
 
 @dataclass
 class DraftKVCache:
-    """Static K/V storage for decoding, [n_layers, B, n_kv_heads, max_len, head_dim]."""
+    """Static K/V storage for decoding, [n_layers, B, n_kv_heads, max_len, head_dim].
+
+    `layers` holds each layer's (K, V) views, made once: a view per decode call is
+    one more op dispatched, and the decoder calls the draft a few times a step."""
 
     k: torch.Tensor
     v: torch.Tensor
+    layers: list[tuple[torch.Tensor, torch.Tensor]] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.layers = list(zip(self.k.unbind(0), self.v.unbind(0), strict=True))
 
     @classmethod
     def allocate(
@@ -430,7 +437,7 @@ class Eagle3Draft(nn.Module):
         layer = self.midlayer if i == 0 else self.later_layers()[i - 1]
         qkv_weight, gate_up_weight = fused.qkv[i], fused.gate_up[i]
         cos, sin = rope
-        keys, values = cache.k[i], cache.v[i]
+        keys, values = cache.layers[i]
         attn = layer.self_attn
         b, n, _ = x.shape
         nh, nkv, hd = attn.num_heads, attn.num_kv_heads, attn.head_dim
