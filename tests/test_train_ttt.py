@@ -81,7 +81,7 @@ def dense_unroll(draft, input_ids, aux, loss_mask, probs, argmax, steps, decay, 
         chunks = aux.split(c.target_hidden_size, dim=-1)
         aux = torch.cat([n(x) for n, x in zip(draft.fc_norm, chunks, strict=True)], dim=-1)
     hidden = draft.fc(aux)
-    layers = [draft.midlayer, *draft.later_layers()]
+    layers = draft.draft_layers()
     ks, vs, loss = [[] for _ in layers], [[] for _ in layers], 0.0
     for j in range(steps):
         ids = torch.zeros_like(input_ids)

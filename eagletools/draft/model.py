@@ -314,6 +314,10 @@ class Eagle3Draft(nn.Module):
         """The plain layers after `midlayer`, in order (none for a one-layer head)."""
         return [getattr(self, later_layer_name(i)) for i in range(1, self.config.num_hidden_layers)]
 
+    def draft_layers(self) -> list[DecoderLayer]:
+        """`midlayer`, then the plain layers: every layer a draft step runs, in order."""
+        return [self.midlayer, *self.later_layers()]
+
     def fuse_aux(self, aux: torch.Tensor) -> torch.Tensor:
         """The target's concatenated aux states [.., A*Ht] -> draft hidden [.., H].
 
@@ -356,7 +360,7 @@ class Eagle3Draft(nn.Module):
         """
         if torch.compiler.is_compiling() and self._decode_weights is not None:
             return self._decode_weights  # compiled steps freeze the weights anyway
-        layers = [self.midlayer, *self.later_layers()]
+        layers = self.draft_layers()
         qkv = [(a.q_proj, a.k_proj, a.v_proj) for a in (layer.self_attn for layer in layers)]
         gate_up = [(layer.mlp.gate_proj, layer.mlp.up_proj) for layer in layers]
         source = tuple(_identity(p.weight) for parts in (*qkv, *gate_up) for p in parts)
@@ -405,7 +409,7 @@ class Eagle3Draft(nn.Module):
         [n, Vd] logits and [n, I] MLP products are 0.5-1.4 GB at 8B widths).
         """
         fused = self.decode_weights()
-        layers = [self.midlayer, *self.later_layers()]
+        layers = self.draft_layers()
         normed = self.midlayer.hidden_norm(hidden)
         embeds = self.midlayer.input_layernorm(self.embed_tokens(input_ids).to(hidden.dtype))
         x = torch.cat([embeds, normed], dim=-1)
@@ -434,7 +438,7 @@ class Eagle3Draft(nn.Module):
         """Layer i of `decode`: its normed input x [B,n,W] and residual [B,n,H] -> its
         output [B,n,H] (the last row's alone with `last_only`); its K/V go to the
         cache's entry i at `slots`."""
-        layer = self.midlayer if i == 0 else self.later_layers()[i - 1]
+        layer = self.draft_layers()[i]
         qkv_weight, gate_up_weight = fused.qkv[i], fused.gate_up[i]
         cos, sin = rope
         keys, values = cache.layers[i]

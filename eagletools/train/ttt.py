@@ -246,7 +246,7 @@ class TTTModel(nn.Module):
         recipes' accelerate-fsdp.yaml) those would see shards. No-op without FSDP2."""
         from torch.distributed.fsdp import register_fsdp_forward_method
 
-        layers = [self.draft.midlayer, *self.draft.later_layers()]
+        layers = self.draft.draft_layers()
         for module, names in ((self.draft, ("fuse_aux", "head")),
                               *((layer, ("qkv", "finish")) for layer in layers)):  # fmt: skip
             for name in names:
@@ -285,7 +285,7 @@ class TTTModel(nn.Module):
         t2d = draft.t2d
         drop = self.drop_missed if drop_missed is None else drop_missed
         oov = self.train_oov if train_oov is None else train_oov
-        layers = [draft.midlayer, *draft.later_layers()]
+        layers = draft.draft_layers()
         keys: list[list[torch.Tensor]] = [[] for _ in layers]  # per layer: step 0's, diagonals
         values: list[list[torch.Tensor]] = [[] for _ in layers]
 
