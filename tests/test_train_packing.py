@@ -12,7 +12,7 @@ from test_train_ttt import tiny_draft
 from eagletools.data.batch import Sample, SampleSource
 from eagletools.errors import UserError
 from eagletools.train.data import ArgmaxMemo, TokenSamples
-from eagletools.train.inputs import TrainInputs, features
+from eagletools.train.inputs import TrainInputs, features, load_teacher
 from eagletools.train.packing import document_mask, document_positions, plan_packed_epoch
 from eagletools.train.ttt import TTTModel, step_counts, teacher_targets
 
@@ -102,17 +102,52 @@ def test_padded_packed_rows_match_too():
     torch.testing.assert_close(loss, alone, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_target_sees_each_packed_conversation_alone(family):
+SLIDING = {  # windows shorter than the conversations (8-39 tokens), so they bind
+    "mistral": dict(sliding_window=5),
+    "qwen2": dict(use_sliding_window=True, sliding_window=5, max_window_layers=2),  # 2 full, 2 not
+}
+
+
+@pytest.mark.parametrize(
+    "family, overrides",
+    [(f, {}) for f in FAMILIES] + list(SLIDING.items()),
+    ids=[*FAMILIES, *(f"{f}-sliding" for f in SLIDING)],
+)
+def test_target_sees_each_packed_conversation_alone(family, overrides):
     """Online: the target's aux and last hidden states of a packed row, fp32, equal
-    those of each conversation run alone."""
-    model = tiny_model(family)
+    those of each conversation run alone, a sliding window's layers included."""
+    model = tiny_model(family, **overrides)
     source = TokenSamples(random_dataset(n=3, seed=4))
     inputs = TrainInputs(source, model, model.lm_head.weight, [1, 2, 4], model, {})
     packed = source.pack([[0, 1, 2]])
     aux, last = features(inputs, packed)
     for (row, start, end), i in zip(packed.spans(), packed.indices, strict=True):
         want_aux, want_last = features(inputs, source.batch([i]))
+        torch.testing.assert_close(aux[row, start:end], want_aux[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(last[row, start:end], want_last[0], atol=1e-5, rtol=1e-5)
+
+
+def test_flex_attention_target_masks_packed_rows_with_a_block_mask(monkeypatch):
+    """`target.attention: flex_attention` (the GPU choice at long packs): the packed row
+    still equals each conversation alone, a sliding window included, and no dense
+    [B,1,T,T] mask is built on the way."""
+    import transformers.masking_utils as masking
+
+    model = tiny_model("mistral", **SLIDING["mistral"])
+    source = TokenSamples(random_dataset(n=3, seed=4))
+    inputs = TrainInputs(source, model, model.lm_head.weight, [1, 2, 4], model, {})
+    alone = [features(inputs, source.batch([i])) for i in range(3)]  # SDPA, padding masks
+    model.set_attn_implementation("flex_attention")
+
+    def dense(*args, **kwargs):
+        raise AssertionError("a dense mask was built for flex attention")
+
+    for name in ("sdpa", "eager"):
+        monkeypatch.setitem(masking.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping, name, dense)
+    packed = source.pack([[0, 1, 2]])
+    aux, last = features(inputs, packed)
+    for (row, start, end), i in zip(packed.spans(), packed.indices, strict=True):
+        want_aux, want_last = alone[i]
         torch.testing.assert_close(aux[row, start:end], want_aux[0], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(last[row, start:end], want_last[0], atol=1e-5, rtol=1e-5)
 
@@ -178,6 +213,17 @@ def test_recipe_refuses_bad_pack_tokens(override, match):
         tiny_config("data.max_length=64", override)
     assert tiny_config("data.max_length=64", "training.pack_tokens=64").training.pack_tokens == 64
     assert tiny_config().training.pack_tokens == 0  # off unless asked
+
+
+def test_target_attention_reaches_the_teacher_or_names_the_fix(target_dir):
+    with pytest.raises(UserError, match="target.attention must be one of sdpa, eager, flex"):
+        tiny_config("target.attention=flash")
+    spec = f"target.spec={target_dir}"
+    teacher = load_teacher(tiny_config(spec, "target.attention=flex_attention"))
+    assert teacher.model.config._attn_implementation == "flex_attention"
+    assert load_teacher(tiny_config(spec)).model.config._attn_implementation == "sdpa"
+    with pytest.raises(UserError, match="target.attention: flash_attention_2 cannot run here"):
+        load_teacher(tiny_config(spec, "target.attention=flash_attention_2"))
 
 
 def test_packed_training_runs_and_resumes_on_the_same_trajectory(tmp_path, monkeypatch):

@@ -31,8 +31,8 @@ def capture_aux(
     layer_ids: list[int] | None = None,
     position_ids: torch.Tensor | None = None,
 ) -> AuxOutput:
-    """One forward; `attention_mask` is [B,T] (padding) or a 4-D additive mask
-    [B,1,T,T] that Hugging Face takes as it is (packed rows, with `position_ids`)."""
+    """One forward; `attention_mask` is [B,T] (padding), or None with `position_ids`
+    that restart at each document of a packed row (Hugging Face masks each alone)."""
     base = decoder(model)
     n = len(base.layers)
     layer_ids = resolve_aux_layer_ids(layer_ids, n)

@@ -183,12 +183,18 @@ def _write_dequantised(spec: str, folder: Path) -> None:
 
 
 def load_target(
-    spec: str | Path, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu"
+    spec: str | Path,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+    attention: str | None = None,
 ) -> Target:
+    """The target's model and tokenizer; `attention` is Hugging Face's attn_implementation
+    (None: its default)."""
     from transformers import AutoModelForCausalLM
 
     source = dequantised_folder(spec) or spec
-    model = _load(AutoModelForCausalLM, str(source), "model", dtype=dtype)
+    kwargs = {"attn_implementation": attention} if attention else {}
+    model = _load(AutoModelForCausalLM, str(source), "model", dtype=dtype, **kwargs)
     model = model.to(device).eval()
     tokenizer = load_tokenizer(source)
     info = TargetInfo.from_config(model.config, str(spec), tokenizer, type(model).__name__)

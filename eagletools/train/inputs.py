@@ -15,8 +15,9 @@ import torch
 
 from eagletools.data.batch import Batch, SampleSource
 from eagletools.data.jobs import DataSource, HiddenStatesJob, RegenerateJob
+from eagletools.errors import UserError
 from eagletools.train.data import TokenSamples
-from eagletools.train.packing import additive_mask, document_mask, document_positions
+from eagletools.train.packing import document_positions
 from eagletools.train.recipe import TrainConfig
 from eagletools.train.ttt import target_argmax
 
@@ -59,7 +60,14 @@ def load_teacher(config: TrainConfig) -> Any:
     from eagletools.devices import resolve_device
     from eagletools.target import load_target
 
-    return load_target(config.target.spec, teacher_dtype(config), resolve_device("auto"))
+    t = config.target
+    try:
+        return load_target(t.spec, teacher_dtype(config), resolve_device("auto"), t.attention)
+    except ImportError as err:  # transformers' words for a missing flash-attn build
+        raise UserError(
+            f"target.attention: {t.attention} cannot run here ({err}); install its package on "
+            "a CUDA machine, or set target.attention: sdpa (or flex_attention)"
+        ) from err
 
 
 def regeneration_job(config: TrainConfig, output: Path) -> RegenerateJob:
@@ -148,13 +156,15 @@ def features(inputs: TrainInputs, batch: Batch) -> tuple[torch.Tensor, torch.Ten
         return batch.aux, batch.last_hidden
     from eagletools.target import capture_aux
 
-    model, mask, positions = inputs.target_model, batch.attention_mask, None
+    model = inputs.target_model
+    mask, positions = batch.attention_mask.to(model.device), None
     if batch.documents is not None:
-        documents = batch.documents.to(model.device)
-        mask = additive_mask(document_mask(documents)[:, None], model.dtype)
-        positions = document_positions(documents)
-    out = capture_aux(model, batch.input_ids.to(model.device), mask.to(model.device),
-                      inputs.aux_layer_ids, positions)  # fmt: skip
+        # positions only: Hugging Face finds the documents where they restart and builds each
+        # layer's own mask (sliding windows kept; varlen or block masks under flash or flex
+        # attention), where a [B,1,T,T] mask of ours would be dense and full-attention
+        mask, positions = None, document_positions(batch.documents.to(model.device))
+    out = capture_aux(model, batch.input_ids.to(model.device), mask, inputs.aux_layer_ids,
+                      positions)  # fmt: skip
     return out.aux, out.last_hidden
 
 

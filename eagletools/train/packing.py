@@ -2,10 +2,11 @@
 
 A packed row holds conversations end to end; `documents` [B,T] says which of
 its row's conversations each token belongs to (0, 1, ...; -1 at padding).
-Every consumer sees each conversation as if it were alone in its row: the
-target and the draft attend within a document only (`document_mask`), RoPE
-positions restart at each document (`document_positions`), and the
-training-time test never teaches across a boundary (`within_document`).
+Every consumer sees each conversation as if it were alone in its row: RoPE
+positions restart at each document (`document_positions`), the draft attends
+within a document only (`document_mask`), the target too (Hugging Face masks
+each of its layers from the restarting positions, sliding windows included),
+and the training-time test never teaches across a boundary (`within_document`).
 
 The plan of an epoch is a pure function of (seed, epoch, lengths, sizes), as
 `train.data.plan_epoch`'s is, so a resumed run skips to the exact global batch
@@ -30,13 +31,6 @@ def document_mask(documents: torch.Tensor, start: int = 0) -> torch.Tensor:
     causal = torch.arange(s, device=documents.device) <= rows  # [S-start, S]
     same = documents[:, start:].unsqueeze(-1) == documents.unsqueeze(-2)
     return causal & same
-
-
-def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A boolean mask as the additive one Hugging Face attention takes (eager adds it)."""
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
-        ~allowed, torch.finfo(dtype).min
-    )
 
 
 def document_positions(documents: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,8 @@ if TYPE_CHECKING:
     from eagletools.data.conversations import HubOptions
 
 Check = tuple[bool, str, str]  # (holds, the dotted key, what it must be)
+ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention", "flash_attention_2",
+                             "flash_attention_3")  # fmt: skip
 
 
 @dataclass
@@ -32,6 +34,14 @@ class TargetSection:
     spec: str = "smollm2-135m"  # built-in name, HF folder, hub id or .gguf file
     dtype: str = "bfloat16"  # any spelling: bf16, bfloat16, fp32, ...
     aux_layer_ids: list[int] | None = None  # HF indexing; None: [2, N//2, N-3]
+    attention: str = "sdpa"  # the online teacher's HF attn_implementation: flex_attention or
+    # flash_attention_2 mask packed rows without a dense [T,T] mask (GPU)
+
+    def checks(self) -> list[Check]:
+        return [
+            (self.attention in ATTENTION_IMPLEMENTATIONS, "target.attention",
+             f"must be one of {', '.join(ATTENTION_IMPLEMENTATIONS)}"),
+        ]  # fmt: skip
 
 
 @dataclass
@@ -286,8 +296,8 @@ class TrainConfig:
         if t.precision != "auto":
             precision = dtype_name(t.precision, f"{source}: training.precision")
             t.precision = {"bfloat16": "bf16", "float32": "fp32"}.get(precision, precision)
-        sections = (t, self.data, self.data.regenerate, self.vocab, self.draft, self.eval,
-                    self.tracking)  # fmt: skip
+        sections = (self.target, t, self.data, self.data.regenerate, self.vocab, self.draft,
+                    self.eval, self.tracking)  # fmt: skip
         for ok, key, why in (check for section in sections for check in section.checks()):
             if not ok:
                 raise UserError(f"{source}: {key} {why}")
