@@ -28,6 +28,30 @@ def test_left_padded_batch_equals_one_by_one(family):
     assert again.tokens == expected[0] and again.reused_tokens == 0
 
 
+def test_prompts_read_in_chunks_give_the_same_tokens_and_states(monkeypatch):
+    """A prompt wider than `prefill_chunk` is read a chunk a forward (the [B,T,S] mask
+    bounded by the chunk), each chunk attending to the cache the earlier ones wrote."""
+    model = tiny_model("qwen2", seed=8, vocab_size=384)
+    runtime = Transformer.from_hf(model)
+    prompts = [list(range(10, 47)), [5, 9, 200, 17, 3, 250], list(range(100, 190, 3))]
+    layers = [1, 3, model.config.num_hidden_layers]
+    whole = generate_batch(runtime, prompts, 10, set(), pad_id=3, state_layer_ids=layers)
+    widths = []
+    forward = Transformer.forward
+
+    def spy(self, input_ids, *args, **kwargs):
+        widths.append(input_ids.shape[1])
+        return forward(self, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(Transformer, "forward", spy)
+    chunked = generate_batch(runtime, prompts, 10, set(), pad_id=3, state_layer_ids=layers,
+                             prefill_chunk=8)  # fmt: skip
+    assert widths[:6] == [8, 8, 8, 8, 5, 1]  # 37 prompt columns, then a token a step
+    assert chunked.tokens == whole.tokens
+    for a, b in zip(chunked.states, whole.states, strict=True):
+        torch.testing.assert_close(a.float(), b.float(), atol=1e-2, rtol=1e-2)
+
+
 def test_sampled_rows_are_seeded_and_stop_at_max_tokens():
     model = tiny_model("llama", seed=6, vocab_size=384)
     runtime = Transformer.from_hf(model)

@@ -41,10 +41,16 @@ def generate_batch(
     pad_id: int = 0,
     generator: torch.Generator | None = None,
     state_layer_ids: Sequence[int] = (),
+    prefill_chunk: int = 512,
 ) -> Generated:
     """Continue each prompt (token ids) until EOS (kept) or `max_new_tokens`; with
     `state_layer_ids` (HF indexing, as `Transformer.forward`), keep those hidden states
-    in bf16 on the way."""
+    in bf16 on the way.
+
+    The prompts are read `prefill_chunk` columns a forward: a padded batch needs its
+    own [B, T, S] attention mask, which for 48 prompts of 4k tokens read at once
+    (S = T + 256 new tokens) would be 850 MB (more where SDPA widens it), and
+    110 MB in chunks of 512."""
     device = model.device
     b, width = len(prompts), max(len(p) for p in prompts)
     total = width + max_new_tokens
@@ -54,9 +60,14 @@ def generate_batch(
     for row, prompt in enumerate(prompts):
         ids[row, width - len(prompt) :] = torch.tensor(list(prompt), device=device)
         key_mask[row, : width - len(prompt)] = False
-    logits, states = model(ids, torch.arange(width, device=device), 0, last_only=True,
-                           key_mask=key_mask, aux_layer_ids=state_layer_ids)  # fmt: skip
-    kept = [] if states is None else [states.to(torch.bfloat16)]
+    kept = []
+    for start in range(0, width, prefill_chunk):
+        end = min(start + prefill_chunk, width)
+        logits, states = model(ids[:, start:end], torch.arange(start, end, device=device),
+                               start, last_only=True, key_mask=key_mask,
+                               aux_layer_ids=state_layer_ids)  # fmt: skip
+        if states is not None:
+            kept.append(states.to(torch.bfloat16))
     eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=device)
     steps: list[torch.Tensor] = []
     done = torch.zeros(b, dtype=torch.bool, device=device)
