@@ -273,6 +273,31 @@ def test_resume_follows_the_same_loss_trajectory(tmp_path, monkeypatch):
         assert abs(got[step] - want[step]) <= 1e-6, (step, got[step], want[step])
 
 
+def test_ttt_ramp_deepens_the_unroll_with_the_schedule_and_resumes_alike(tmp_path, monkeypatch):
+    """training.ttt_ramp: one step first, then one more every ramp/ttt_steps of the
+    schedule, up to ttt_steps; the held-out unroll keeps eval_ttt_steps; resume is exact."""
+    config = tiny_config("training.max_steps=8", "training.save_every=2", "training.ttt_steps=3",
+                         "training.ttt_ramp=0.5", "training.warmup_steps=0")  # fmt: skip
+    depths = []
+    forward = TTTModel.forward
+
+    def spy(self, *args, steps=None, **kwargs):
+        depths.append(steps)
+        return forward(self, *args, steps=steps, **kwargs)
+
+    monkeypatch.setattr(TTTModel, "forward", spy)
+    full, result = run(tmp_path, config, "full")
+    train = [d for d in depths if d != 4]  # 4: the held-out passes (eval_ttt_steps)
+    # progress step/8: one more step every 0.5/3 of it, i.e. every 1.33 steps
+    assert train == [1, 1, 2, 3, 3, 3, 3, 3]
+    assert len(depths) > len(train) and "acc_3" in result  # held-out still 4 steps deep
+    got = interrupted_and_resumed(tmp_path, monkeypatch, config, after=3)  # resumes at depth 2
+    for h in full.history[1:]:
+        assert abs(got[h["step"]] - h["loss"]) <= 1e-6, (h, got[h["step"]])
+    with pytest.raises(UserError, match="training.ttt_ramp must be in"):
+        tiny_config("training.ttt_ramp=1.0")
+
+
 @pytest.mark.slow
 def test_compiled_unroll_follows_the_eager_losses(tmp_path, monkeypatch):
     """training.compile: one inductor graph over the batches' varying lengths (8 to 40

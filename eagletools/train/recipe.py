@@ -149,6 +149,8 @@ class DraftSection:
 class TrainingSection:
     ttt_steps: int = 7
     ttt_decay: float = 0.8
+    ttt_ramp: float = 0.0  # > 0: a curriculum over depth; the unroll starts at one step and
+    # gains one every ttt_ramp / ttt_steps of the schedule, so step 0 learns alone first
     loss_on: str = "replies"  # replies: the loss mask's tokens | all: every token, prompts
     # too (the teacher is the target's distribution wherever it is); held-out: replies
     eval_ttt_steps: int = 7  # the held-out unroll (acc_j, simulated acceptance length),
@@ -205,6 +207,8 @@ class TrainingSection:
             (self.ttt_steps >= 1, "training.ttt_steps", "must be at least 1"),
             (self.eval_ttt_steps >= 1, "training.eval_ttt_steps", "must be at least 1"),
             (0 < self.ttt_decay <= 1, "training.ttt_decay", "must be in (0, 1]"),
+            (0 <= self.ttt_ramp < 1, "training.ttt_ramp",
+             "must be in [0, 1): the share of the schedule the unroll deepens over"),
             (self.loss_on in ("replies", "all"), "training.loss_on", "must be replies or all"),
             (self.lr > 0, "training.lr", "must be positive"),
             (self.teacher_temperature > 0, "training.teacher_temperature", "must be positive"),

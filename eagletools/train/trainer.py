@@ -322,7 +322,9 @@ class Trainer:
             memo.store(batch, argmax)
         return probs, argmax
 
-    def _forward(self, batch: Any, norm: torch.Tensor | None) -> tuple[torch.Tensor, StepStats]:
+    def _forward(
+        self, batch: Any, norm: torch.Tensor, depth: int
+    ) -> tuple[torch.Tensor, StepStats]:
         device = self.device
         aux, last_hidden = features(self.inputs, batch)
         probs, argmax = self._teacher(batch, last_hidden)
@@ -330,8 +332,17 @@ class Trainer:
         with self.autocast():
             return self.model(
                 batch.input_ids.to(device), aux.to(device), batch.loss_mask.to(device),
-                probs, argmax, norm, documents=documents,
+                probs, argmax, norm, steps=depth, documents=documents,
             )  # fmt: skip
+
+    def _depth(self) -> int:
+        """The unroll's steps now: training.ttt_steps, or fewer early under training.ttt_ramp
+        (a function of the schedule's progress, so a resumed run unrolls as the first)."""
+        t = self.config.training
+        if t.ttt_ramp == 0:
+            return t.ttt_steps
+        reached = math.floor(max(0.0, self._progress()) * t.ttt_steps / t.ttt_ramp)
+        return min(t.ttt_steps, 1 + reached)
 
     def _epoch_plan(self, epoch: int) -> list[list[list[int]]]:
         """The epoch's global batches of rows (positions into `train_idx`: one per row, or
@@ -397,16 +408,17 @@ class Trainer:
         t = self.config.training
         lr = self._set_lr()
         batches = self._micro_batches()
-        norm = sum(step_counts(b.loss_mask, t.ttt_steps, b.documents) for b in batches)
+        depth = self._depth()
+        norm = sum(step_counts(b.loss_mask, depth, b.documents) for b in batches)
         norm = norm.to(self.device)
         norm = self.accelerator.reduce(norm, "sum") / self.accelerator.num_processes
-        total = StepStats.zeros(1, t.ttt_steps, self.device)
+        total = StepStats.zeros(1, depth, self.device)
         losses = []
         tokens = 0
         for i, batch in enumerate(batches):
             last = i == len(batches) - 1
             with contextlib.nullcontext() if last else self.accelerator.no_sync(self.model):
-                loss, stats = self._forward(batch, norm)
+                loss, stats = self._forward(batch, norm, depth)
                 self.accelerator.backward(loss)
             losses.append(loss.detach())
             tokens += batch.num_tokens
