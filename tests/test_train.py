@@ -241,6 +241,26 @@ def test_loss_on_all_trains_on_prompts_and_evaluates_on_replies(tmp_path, monkey
         assert seen and not any(m[:, 0].any() for m in seen)  # held-out: replies only
 
 
+def test_teacher_topk_shapes_training_and_leaves_held_out_whole(tmp_path, monkeypatch):
+    kept = []
+    forward = TTTModel.forward
+
+    def spy(self, input_ids, aux, loss_mask, teacher_probs, *args, **kwargs):
+        kept.append(int((teacher_probs > 0).sum(-1).max()))
+        return forward(self, input_ids, aux, loss_mask, teacher_probs, *args, **kwargs)
+
+    monkeypatch.setattr(TTTModel, "forward", spy)
+    config = tiny_config("training.teacher_topk=4", "training.max_steps=1")
+    trainer = Trainer(config, tmp_path, online_inputs(config, tiny_target(), random_dataset()))
+    trainer.train_step()
+    assert kept == [4]
+    kept.clear()
+    trainer.evaluate()  # held-out losses compare across recipes: the whole teacher
+    assert kept and min(kept) > 4
+    with pytest.raises(UserError, match="training.teacher_topk must be 0"):
+        tiny_config("training.teacher_topk=-1")
+
+
 def test_held_out_metrics_do_not_depend_on_the_eval_batch(tmp_path):
     """Conversations of different lengths share a padded batch; each is scored alone."""
     metrics = []

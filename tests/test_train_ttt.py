@@ -207,6 +207,23 @@ def test_teacher_sharpened_and_mixed_with_its_argmax():
     assert inside.any() and not inside.all()
 
 
+@pytest.mark.parametrize("k", [1, 3])
+def test_teacher_keeps_its_top_k_renormalised(k):
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(3, 7, 8), torch.randn(40, 8)
+    d2t = torch.tensor([0, 0, 2, 5, 5, 9])  # ids 0, 1, 4, 8, 9, 14
+    whole, best = teacher_targets(hidden, weight, d2t)
+    probs, same = teacher_targets(hidden, weight, d2t, topk=k)
+    assert torch.equal(same, best)  # the argmax is the whole vocab's, whatever k
+    kept = probs > 0
+    assert (kept.sum(-1) == k).all()
+    assert torch.equal(kept, torch.zeros_like(kept).scatter_(-1, whole.topk(k).indices, True))
+    torch.testing.assert_close(probs.sum(-1), torch.ones(3, 7))
+    torch.testing.assert_close(probs[kept], (whole / (whole * kept).sum(-1, keepdim=True))[kept])
+    # k at or past the draft vocab is the whole distribution
+    torch.testing.assert_close(teacher_targets(hidden, weight, d2t, topk=6)[0], whole)
+
+
 def test_teacher_targets_restricted_and_full_argmax():
     torch.manual_seed(0)
     hidden = torch.randn(2, 5, 8)

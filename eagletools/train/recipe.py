@@ -162,6 +162,7 @@ class TrainingSection:
     # then skips the full-vocab product (its logged hits count the in-vocab argmax)
     teacher_temperature: float = 1.0  # < 1 sharpens the teacher toward its argmax
     teacher_argmax_weight: float = 0.0  # w: teacher = (1-w) p + w onehot(argmax)
+    teacher_topk: int = 0  # k > 0: the teacher keeps its k likeliest draft tokens, renormalised
     optimizer: str = "adamw"  # adamw | muon (Muon for the hidden 2-D weights, AdamW else)
     muon_lr_ratio: float = 10.0  # Muon's rate = lr * this
     lr: float = 1e-4
@@ -214,6 +215,8 @@ class TrainingSection:
             (self.teacher_temperature > 0, "training.teacher_temperature", "must be positive"),
             (0 <= self.teacher_argmax_weight <= 1, "training.teacher_argmax_weight",
              "must be in [0, 1]"),
+            (self.teacher_topk >= 0, "training.teacher_topk",
+             "must be 0 (the whole distribution) or a positive k"),
             (self.optimizer in ("adamw", "muon"), "training.optimizer", "must be adamw or muon"),
             (self.schedule in ("cosine", "linear"), "training.schedule",
              "must be cosine or linear"),

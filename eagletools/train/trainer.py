@@ -317,6 +317,7 @@ class Trainer:
             temperature=t.teacher_temperature if training else 1.0,
             argmax_weight=t.teacher_argmax_weight if training else 0.0,
             full_argmax=full,
+            topk=t.teacher_topk if training else 0,
         )  # fmt: skip
         if memo is not None and known is None and full:
             memo.store(batch, argmax)

@@ -119,6 +119,7 @@ def teacher_targets(
     temperature: float = 1.0,
     argmax_weight: float = 0.0,
     full_argmax: bool = True,
+    topk: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's distribution over the draft vocab and its full-vocab argmax.
 
@@ -133,10 +134,16 @@ def teacher_targets(
     Greedy decoding accepts only the argmax, so the teacher can lean on it:
     `temperature` < 1 sharpens it, and `argmax_weight` w mixes in the argmax's
     one-hot, (1-w) p + w onehot: the cross-entropy becomes (1-w) soft + w hard.
+    `topk` k > 0 keeps only the teacher's k likeliest draft tokens, renormalised:
+    the loss then distils the head of the distribution the tree drafts from and
+    spends nothing on pushing the long tail's mass around.
     """
     rows = torch.arange(d2t.numel(), device=d2t.device) + d2t
     flat = last_hidden.reshape(-1, last_hidden.shape[-1]).to(lm_head_weight.dtype)
     probs = torch.softmax((flat @ lm_head_weight[rows].T).float() / temperature, dim=-1)
+    if 0 < topk < probs.shape[-1]:
+        head, index = probs.topk(topk, dim=-1)
+        probs = torch.zeros_like(probs).scatter_(-1, index, head / head.sum(-1, keepdim=True))
     b, t = last_hidden.shape[:2]
     if known_argmax is not None:
         best = known_argmax.reshape(-1)
