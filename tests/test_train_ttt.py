@@ -224,6 +224,23 @@ def test_teacher_keeps_its_top_k_renormalised(k):
     torch.testing.assert_close(teacher_targets(hidden, weight, d2t, topk=6)[0], whole)
 
 
+def test_teacher_top_k_allocates_no_second_distribution():
+    """On a GPU the teacher is [N, Vd] fp32: 4 GB at 32k tokens x 32k draft ids, so the
+    cut must reuse it; only the [N, k] head may be new."""
+    from torch.profiler import ProfilerActivity, profile
+
+    hidden, weight = torch.randn(4, 256, 16), torch.randn(3000, 16)
+    d2t = torch.zeros(2048, dtype=torch.long)
+
+    def allocated(**kwargs) -> int:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            teacher_targets(hidden, weight, d2t, full_argmax=False, **kwargs)
+        return sum(max(0, e.self_cpu_memory_usage) for e in prof.key_averages())
+
+    distribution = 4 * 256 * 2048 * 4
+    assert allocated(topk=8) - allocated() < distribution / 4
+
+
 def test_teacher_targets_restricted_and_full_argmax():
     torch.manual_seed(0)
     hidden = torch.randn(2, 5, 8)

@@ -142,8 +142,9 @@ def teacher_targets(
     flat = last_hidden.reshape(-1, last_hidden.shape[-1]).to(lm_head_weight.dtype)
     probs = torch.softmax((flat @ lm_head_weight[rows].T).float() / temperature, dim=-1)
     if 0 < topk < probs.shape[-1]:
-        head, index = probs.topk(topk, dim=-1)  # in place: at 32k tokens x 32k draft ids
-        probs.zero_().scatter_(-1, index, head / head.sum(-1, keepdim=True))  # [N,Vd] is 4 GB
+        # in place: [N, Vd] fp32 is 4 GB at 32k tokens x 32k draft ids
+        head, index = probs.topk(topk, dim=-1)
+        probs.zero_().scatter_(-1, index, head / head.sum(-1, keepdim=True))
     b, t = last_hidden.shape[:2]
     if known_argmax is not None:
         best = known_argmax.reshape(-1)
