@@ -73,7 +73,7 @@ def measure(args: argparse.Namespace) -> dict[str, dict]:
     from eagletools.decode import SpeculativeDecoder, Transformer
     from eagletools.decode.tree import grow_tree
     from eagletools.eval.runner import load_any_draft
-    from eagletools.target import load_target
+    from eagletools.targets import load_target
 
     dtype = torch.bfloat16
     target = load_target(args.target, dtype=dtype)

@@ -98,7 +98,7 @@ def main() -> None:
     from eagletools.dtypes import parse_dtype
     from eagletools.eval.measure import first_difference
     from eagletools.eval.runner import load_any_draft
-    from eagletools.target import load_target
+    from eagletools.targets import load_target
 
     dtype = parse_dtype(args.dtype)
     target = load_target(args.target, dtype=dtype)

@@ -213,7 +213,7 @@ def build_target(shape: Shape, folder: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from eagletools.target.folder import save_target_folder
+    from eagletools.targets.folder import save_target_folder
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(shape.config(), dtype=torch.bfloat16)

@@ -24,7 +24,7 @@ def measure(length: int, draft_vocab: int, steps: int, chunk: int) -> dict:
     import torch
 
     from eagletools.draft import DraftConfig, Eagle3Draft
-    from eagletools.target import load_config
+    from eagletools.targets import load_config
     from eagletools.train.ttt import TTTModel, teacher_targets
 
     tc = load_config("smollm2-135m")  # sizes only; the weights do not matter for memory

@@ -190,7 +190,7 @@ def test_missing_template_is_a_user_error(tmp_path):
 
 @pytest.mark.integration
 def test_smollm2_chatml_mask():
-    from eagletools.target import load_tokenizer
+    from eagletools.targets import load_tokenizer
 
     tok = load_tokenizer("smollm2-135m")
     for conversation in CONVERSATIONS:

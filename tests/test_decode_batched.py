@@ -70,7 +70,7 @@ def test_sampled_rows_are_seeded_and_stop_at_max_tokens():
 def test_states_kept_on_the_way_equal_a_forward_over_each_finished_row():
     """What regeneration keeps for the offline cache: the prompt's and the read-back
     tokens' states, as `capture_aux` computes them over the row alone (bf16 rounding)."""
-    from eagletools.target import capture_aux
+    from eagletools.targets import capture_aux
 
     model = tiny_model("llama", seed=7, vocab_size=384)
     runtime = Transformer.from_hf(model)

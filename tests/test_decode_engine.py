@@ -267,7 +267,7 @@ def test_smollm2_greedy_lossless_and_equal_to_hf():
     """fp32: speculative == our baseline == HF generate on two MT-bench first turns."""
     from eagletools.eval.benchmarks import load_benchmark
     from eagletools.eval.runner import chat_ids
-    from eagletools.target import load_target
+    from eagletools.targets import load_target
 
     target = load_target("smollm2-135m", dtype=torch.float32)
     runtime = Transformer.from_hf(target.model)
@@ -460,7 +460,7 @@ def test_incremental_text_streams_what_full_decodes_stream(name, tokenizer):
     from eagletools.decode.stopping import Stopper
 
     if name == "smollm2":
-        from eagletools.target import load_tokenizer
+        from eagletools.targets import load_tokenizer
 
         tokenizer = load_tokenizer("smollm2-135m")
     g = torch.Generator().manual_seed(0)

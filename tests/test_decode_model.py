@@ -129,7 +129,7 @@ def test_unsupported_family_is_named():
 
 @pytest.mark.integration
 def test_smollm2_logits_match_hf():
-    from eagletools.target import load_target
+    from eagletools.targets import load_target
 
     target = load_target("smollm2-135m", dtype=torch.float32)
     runtime = _runtime(target.model, max_len=256)
@@ -144,7 +144,7 @@ def test_smollm2_logits_match_hf():
 def test_aux_states_equal_training_capture_for_every_id(family):
     """Aux id k means HF `hidden_states[k]` in both: the features a draft is trained on
     (`capture_aux`) are the ones the decoder feeds it, up to id N (after the final norm)."""
-    from eagletools.target import capture_aux
+    from eagletools.targets import capture_aux
 
     model = tiny_model(family, seed=5)
     every = list(range(model.config.num_hidden_layers + 1))

@@ -22,7 +22,7 @@ from eagletools.formats.engines import (
     unsupported,
 )
 from eagletools.formats.gguf import check_supported
-from eagletools.target import default_aux_layer_ids
+from eagletools.targets import default_aux_layer_ids
 from eagletools.train.recipe import load_config
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "formats.md"

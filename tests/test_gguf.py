@@ -209,12 +209,12 @@ def test_qk_permutation_is_ggml_pair_layout(case):
 def test_embeddings_come_from_the_target_file_alone(case, tmp_path, monkeypatch):
     """--with-embeddings reads the target's embedding tensor, never its whole model:
     a 70B target would otherwise be loaded to copy one matrix."""
-    import eagletools.target
+    import eagletools.targets
 
     def refuse(*args, **kwargs):
         raise AssertionError("load_target called: the whole target was loaded")
 
-    monkeypatch.setattr(eagletools.target, "load_target", refuse)
+    monkeypatch.setattr(eagletools.targets, "load_target", refuse)
     out = tmp_path / "x.gguf"
     args = ["convert", str(case / "eagle"), str(out), "--to", "gguf", "--with-embeddings"]
     assert main([*args, "--target", str(case / "target")]) == 0

@@ -11,7 +11,7 @@ from test_train import random_dataset, tiny_config, tiny_target
 from eagletools.data import hidden_states as hs
 from eagletools.data.hidden_states import HiddenStateCache, write_hidden_states
 from eagletools.errors import UserError
-from eagletools.target import capture_aux
+from eagletools.targets import capture_aux
 from eagletools.train.inputs import offline_inputs
 from eagletools.train.trainer import Trainer
 
@@ -186,7 +186,7 @@ def test_states_kept_while_regenerating_serve_the_cache(tmp_path):
     from eagletools.data.captures import Captures
     from eagletools.data.conversations import Message
     from eagletools.data.regenerate import Sampling, local_generator, parts_dir, regenerate
-    from eagletools.target import Target, TargetInfo, load_tokenizer
+    from eagletools.targets import Target, TargetInfo, load_tokenizer
 
     tokenizer = load_tokenizer("smollm2-135m")
     model = tiny_model("llama", vocab_size=len(tokenizer))

@@ -139,7 +139,7 @@ def test_local_target_replies_greedily(tmp_path, monkeypatch):
     from conftest import tiny_model
 
     from eagletools.data.regenerate import local_generator
-    from eagletools.target import Target, TargetInfo, load_tokenizer
+    from eagletools.targets import Target, TargetInfo, load_tokenizer
 
     tokenizer = load_tokenizer("smollm2-135m")
     model = tiny_model("llama", vocab_size=len(tokenizer))
@@ -188,7 +188,7 @@ def test_cli_keeps_states_for_the_cache(tmp_path, caplog):
 
     from eagletools.cli import main
     from eagletools.data.hidden_states import HiddenStateCache
-    from eagletools.target import load_tokenizer
+    from eagletools.targets import load_tokenizer
 
     folder = tmp_path / "target"
     tokenizer = load_tokenizer("smollm2-135m")

@@ -7,7 +7,7 @@ import torch
 from conftest import tiny_model
 
 from eagletools.errors import UserError
-from eagletools.target import (
+from eagletools.targets import (
     capture_aux,
     default_aux_layer_ids,
     load_target,
@@ -56,7 +56,7 @@ def test_resolve_aux_layer_ids_keeps_a_choice_and_defaults_otherwise():
 def test_target_info_rope_fields():
     from conftest import tiny_config
 
-    from eagletools.target import TargetInfo
+    from eagletools.targets import TargetInfo
 
     llama3 = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
               "high_freq_factor": 4.0, "original_max_position_embeddings": 256}  # fmt: skip
@@ -171,7 +171,7 @@ def test_dequantised_cache_equals_direct_gguf_load(smollm2):
     from transformers import AutoModelForCausalLM
 
     from eagletools.assets import resolve
-    from eagletools.target.load import dequantised_folder
+    from eagletools.targets.load import dequantised_folder
 
     folder = dequantised_folder("smollm2-135m")
     assert "quantization_config" not in json.loads((folder / "config.json").read_text())
@@ -189,7 +189,7 @@ def test_rope_of_reads_both_spellings():
     """transformers 5 objects, transformers 4 objects, and both config.json spellings."""
     from conftest import LLAMA31_ROPE, llama31_model, transformers4_spelling
 
-    from eagletools.target import TargetInfo, rope_of
+    from eagletools.targets import TargetInfo, rope_of
 
     config = llama31_model().config
     old = transformers4_spelling(config)
@@ -203,7 +203,7 @@ def test_rope_of_reads_both_spellings():
 
 
 def test_anatomy_names_the_module_tree():
-    from eagletools.target import decoder_layers, embed_tokens, final_norm, lm_head
+    from eagletools.targets import decoder_layers, embed_tokens, final_norm, lm_head
 
     model = tiny_model("qwen3")
     assert decoder_layers(model) is model.model.layers

@@ -16,7 +16,7 @@ from conftest import tiny_model
 from safetensors import safe_open
 from test_data_chat import byte_bpe_tokenizer
 
-from eagletools.target.folder import save_target_folder
+from eagletools.targets.folder import save_target_folder
 
 
 def _engine_view(folder):
@@ -65,7 +65,7 @@ def test_tied_target_folder_has_every_parameter_by_name(tmp_path, dtype):
 @pytest.mark.integration
 def test_builtin_target_folder_loads_in_engines(tmp_path):
     """The dequantised built-in (the folder every engine is pointed at) is complete."""
-    from eagletools.target.load import dequantised_folder
+    from eagletools.targets.load import dequantised_folder
 
     folder = dequantised_folder("smollm2-135m")
     config, shapes, _ = _engine_view(folder)

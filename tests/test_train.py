@@ -11,7 +11,7 @@ import torch
 from conftest import tiny_model
 
 from eagletools.errors import UserError
-from eagletools.target import Target, TargetInfo
+from eagletools.targets import Target, TargetInfo
 from eagletools.train import trainer as trainer_mod
 from eagletools.train.checkpoint import checkpoint_dir
 from eagletools.train.data import even_shards, plan_epoch, split_indices
@@ -509,7 +509,7 @@ def test_regenerate_section_trains_on_the_targets_own_replies(tmp_path, offline)
     """data.regenerate: OUT/regenerated.jsonl holds the target's replies; training uses it
     (online, or through the hidden-state cache built from it)."""
     from eagletools.data.regenerate import is_regenerated
-    from eagletools.target import load_tokenizer
+    from eagletools.targets import load_tokenizer
 
     tokenizer = load_tokenizer("smollm2-135m")
     model = tiny_model("llama", vocab_size=len(tokenizer))

@@ -81,8 +81,8 @@ def their_states(model: torch.nn.Module, ids: torch.Tensor, layers: list[int]) -
     """[T, A+1, Ht] for one sample, as their hs_{row}.safetensors holds it: the aux
     states (HF numbering, theirs too), then the last decoder layer's output before the
     final norm (their loss applies the verifier's norm itself)."""
-    from eagletools.target import capture_aux
-    from eagletools.target.anatomy import final_norm
+    from eagletools.targets import capture_aux
+    from eagletools.targets.anatomy import final_norm
 
     last: list[torch.Tensor] = []
     hook = final_norm(model).register_forward_hook(lambda m, args, out: last.append(args[0]))
@@ -108,7 +108,7 @@ def write_data(config: Any, out: Path, train_samples: int | None) -> dict[str, A
     import datasets
     from safetensors.torch import save_file
 
-    from eagletools.target import default_aux_layer_ids
+    from eagletools.targets import default_aux_layer_ids
     from eagletools.train.data import split_indices, trainable
     from eagletools.train.inputs import load_teacher, online_inputs
 
@@ -281,7 +281,7 @@ def peer_data(
     """OUT/target (their verifier: an HF folder, before the clock) and OUT/data; returns
     the data record and when the clock started (an earlier capture's time still counts)."""
     from eagletools.dtypes import parse_dtype
-    from eagletools.target.folder import export_target
+    from eagletools.targets.load import export_target
 
     if not (out / "target" / "config.json").is_file():
         export_target(config.target.spec, out / "target", parse_dtype(config.target.dtype))

@@ -65,7 +65,7 @@ def _add(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     from eagletools.dtypes import parse_dtype
-    from eagletools.target.folder import export_target
+    from eagletools.targets.load import export_target
 
     dtype = parse_dtype(args.dtype, "--dtype")
     print(f"{args.target}: {export_target(args.target, args.out, dtype, overwrite=args.force)}")

@@ -132,7 +132,7 @@ def _hidden_states(args: argparse.Namespace) -> int:
     from eagletools.data.jobs import HiddenStatesJob
     from eagletools.devices import resolve_device
     from eagletools.dtypes import parse_dtype
-    from eagletools.target import load_target
+    from eagletools.targets import load_target
 
     job = HiddenStatesJob(
         args.target, _data_source(args), Path(args.output_dir), dtype=args.dtype,
@@ -220,7 +220,7 @@ def _regenerate(args: argparse.Namespace) -> int:
     if args.target:
         from eagletools.devices import resolve_device
         from eagletools.dtypes import parse_dtype
-        from eagletools.target import load_target
+        from eagletools.targets import load_target
 
         target = load_target(args.target, parse_dtype(job.dtype), resolve_device(args.device))
     job.run(target, echo=print)

@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     ckpt = load_checkpoint(args.ckpt, allow_pickle=args.allow_pickle)
     target = None
     if args.target:
-        from eagletools.target import load_target_summary
+        from eagletools.targets import load_target_summary
 
         target = load_target_summary(args.target)
     report = describe(ckpt, target)

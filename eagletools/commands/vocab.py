@@ -41,7 +41,7 @@ def _build(args: argparse.Namespace) -> int:
     from eagletools.commands.data import prepare_from_args
     from eagletools.data.conversations import data_source
     from eagletools.errors import UserError
-    from eagletools.target import load_config, load_tokenizer
+    from eagletools.targets import load_config, load_tokenizer
     from eagletools.vocab import build_vocab_cached
 
     if args.size < 1:

@@ -31,7 +31,7 @@ from eagletools.atomic import atomic_file, write_text
 from eagletools.data.batch import Sample, SampleSource, pad_right
 from eagletools.data.captures import Captures
 from eagletools.errors import UserError
-from eagletools.target.anatomy import decoder_layers, embed_tokens, final_norm, lm_head
+from eagletools.targets.anatomy import decoder_layers, embed_tokens, final_norm, lm_head
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ def write_hidden_states(
     """
     from tqdm.auto import tqdm
 
-    from eagletools.target import resolve_aux_layer_ids
+    from eagletools.targets import resolve_aux_layer_ids
 
     rank = int(os.environ.get("RANK", 0)) if rank is None else rank
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
@@ -197,7 +197,7 @@ class _Rows:
     def run_target(self, model: torch.nn.Module, layer_ids: list[int], batch_tokens: int) -> None:
         """The states of the samples still without, longest first, about `batch_tokens` a
         forward."""
-        from eagletools.target import capture_aux
+        from eagletools.targets import capture_aux
 
         ids = self.ids
         order = sorted((i for i in range(len(ids)) if self.aux[i] is None),

@@ -146,7 +146,7 @@ class RegenerateJob(DataJob):
     def _generator(self, target: Any) -> Any:
         from eagletools.data.chat import set_chat_template
         from eagletools.data.regenerate import local_generator, server_generator
-        from eagletools.target import resolve_aux_layer_ids
+        from eagletools.targets import resolve_aux_layer_ids
 
         if self.server:
             return server_generator(self.server, self.sampling, self.model, self.batch_size)

@@ -183,7 +183,7 @@ def prepare(
     """
     import datasets
 
-    from eagletools.target import load_tokenizer
+    from eagletools.targets import load_tokenizer
 
     if max_length < 2:
         raise UserError(f"--max-length must be at least 2, got {max_length}")

@@ -24,8 +24,8 @@ from eagletools.cpu_ops import PackedLinear, batched_product
 from eagletools.draft.model import RMSNorm, meta_device
 from eagletools.errors import UserError
 from eagletools.rope import RotaryEmbedding
-from eagletools.target import anatomy
-from eagletools.target.anatomy import DEFAULT_ROPE_THETA
+from eagletools.targets import anatomy
+from eagletools.targets.anatomy import DEFAULT_ROPE_THETA
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
 

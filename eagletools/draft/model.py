@@ -27,7 +27,7 @@ from eagletools.attention import causal_attention, heads_for_mask
 from eagletools.cpu_ops import linear
 from eagletools.draft.config import DraftConfig
 from eagletools.rope import RotaryEmbedding, apply_rope
-from eagletools.target import anatomy
+from eagletools.targets import anatomy
 
 _INITIALISERS = ("normal_", "uniform_", "kaiming_uniform_", "trunc_normal_", "zeros_", "ones_")
 

@@ -32,7 +32,7 @@ ENGINE_NAMES = ("ours", *ENGINES)
 
 def engine_inputs(s: Settings, engine: Engine) -> tuple[Path, str, str | None]:
     """(the target's HF folder, the target as `engine` loads it, the draft as it loads it)."""
-    from eagletools.target.load import dequantised_folder, resolve_spec
+    from eagletools.targets.load import dequantised_folder, resolve_spec
 
     location, extra = resolve_spec(s.target)
     folder = dequantised_folder(s.target) if extra else Path(location)
@@ -73,7 +73,7 @@ def _engine_draft(draft: str, engine: Engine, target: str) -> str:
 
 def _max_len(target: Path | str) -> int:
     """Context the server reserves: the target's, at most 4096 (two benchmark turns fit)."""
-    from eagletools.target.load import load_config
+    from eagletools.targets.load import load_config
 
     return min(getattr(load_config(str(target)), "max_position_embeddings", 4096), 4096)
 
@@ -119,7 +119,7 @@ def run_engine_eval(
     The servers' logs go to `log_dir` (on failure the error quotes their tail).
     """
     from eagletools.data.chat import set_chat_template
-    from eagletools.target.load import load_tokenizer
+    from eagletools.targets.load import load_tokenizer
 
     engine = ENGINES[s.engine]
     groups = engine_methods(s, engine, log_dir)

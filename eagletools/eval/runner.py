@@ -120,7 +120,7 @@ class Settings:
 
 @dataclass
 class Decoders:
-    target: object  # eagletools.target.Target
+    target: object  # eagletools.targets.Target
     runtime: Transformer
     baseline: BaselineDecoder
     speculative: SpeculativeDecoder | None  # None without a draft, or when plain was faster
@@ -131,7 +131,7 @@ class Decoders:
 def load_decoders(s: Settings) -> Decoders:
     """The target's runtime and plain decoder; with a draft, the speculative decoder in the
     shape `s` gives or, given none, the one `choose_tree` found fastest here."""
-    from eagletools.target import load_target
+    from eagletools.targets import load_target
 
     if s.threads:
         torch.set_num_threads(s.threads)

@@ -24,11 +24,11 @@ from eagletools.formats import eagle, gguf, hfconfig, speculators, training
 from eagletools.formats.registry import Format, WriteOptions
 from eagletools.formats.tensors import DEFAULT_MAX_SHARD_BYTES
 from eagletools.formats.validate import check_tensors, target_problems
-from eagletools.target import default_aux_layer_ids, normalize_rope_scaling
+from eagletools.targets import default_aux_layer_ids, normalize_rope_scaling
 from eagletools.vocab import DraftVocab
 
 if TYPE_CHECKING:
-    from eagletools.target.summary import TargetSummary
+    from eagletools.targets.summary import TargetSummary
 
 log = logging.getLogger(__name__)
 

@@ -40,7 +40,7 @@ def convert(
     log(f"read {ckpt.source} ({ckpt.format})")
     summary, verifier_spec = None, verifier
     if target:
-        from eagletools.target import load_target_summary
+        from eagletools.targets import load_target_summary
 
         # its embeddings only when they are to be copied: a 70B target's are gigabytes
         copy = with_embeddings and EMBED not in ckpt.tensors
@@ -68,7 +68,7 @@ def convert(
 
 def _verifier_of(target: str, architecture: str) -> dict[str, Any]:
     """The speculators verifier for `target`: a local folder by its absolute path."""
-    from eagletools.target import resolve_spec
+    from eagletools.targets import resolve_spec
 
     location, extra = resolve_spec(target)
     local = "gguf_file" not in extra and Path(location).is_dir()

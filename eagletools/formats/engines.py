@@ -18,7 +18,7 @@ from pathlib import Path
 
 from eagletools.draft import DraftConfig
 from eagletools.errors import UserError
-from eagletools.target import default_aux_layer_ids
+from eagletools.targets import default_aux_layer_ids
 
 # TensorRT-LLM's PyTorch backend, read at commit 00679c66 (the search tool's stored copy)
 TRTLLM = "tensorrt_llm/_torch/models/modeling_speculative.py"
@@ -188,7 +188,7 @@ def check_draft_on_disk(draft: str | Path, engine: str, target: str | None) -> N
     if engine == "llama.cpp":
         return
     from eagletools.formats.checkpoint import load_checkpoint
-    from eagletools.target import TargetInfo, load_config
+    from eagletools.targets import TargetInfo, load_config
 
     layers = TargetInfo.from_config(load_config(target), target).num_layers if target else None
     check_engine(load_checkpoint(draft).config, engine, str(draft), layers)

@@ -139,7 +139,7 @@ class TargetFiles:
 
     @classmethod
     def resolve(cls, spec: str | Path) -> TargetFiles:
-        from eagletools.target import resolve_spec
+        from eagletools.targets import resolve_spec
 
         location, extra = resolve_spec(spec)
         if "gguf_file" in extra:

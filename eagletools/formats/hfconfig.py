@@ -13,8 +13,8 @@ from typing import Any
 
 from eagletools.draft import DraftConfig
 from eagletools.errors import UserError
-from eagletools.target import rope_of
-from eagletools.target.folder import rope_spellings
+from eagletools.targets import rope_of
+from eagletools.targets.folder import rope_spellings
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from eagletools.draft import DraftConfig
 from eagletools.formats.tensors import DEFAULT_MAX_SHARD_BYTES
 
 if TYPE_CHECKING:
-    from eagletools.target.summary import TargetSummary
+    from eagletools.targets.summary import TargetSummary
 
 Tensors = dict[str, torch.Tensor]
 

@@ -14,7 +14,7 @@ import torch
 from eagletools.draft import DraftConfig, Eagle3Draft
 from eagletools.draft.model import meta_device
 from eagletools.errors import UserError
-from eagletools.target import default_aux_layer_ids, normalize_rope_scaling
+from eagletools.targets import default_aux_layer_ids, normalize_rope_scaling
 from eagletools.vocab import DraftVocab
 
 OPTIONAL = {"embed_tokens.weight"}

@@ -58,7 +58,7 @@ def teacher_dtype(config: TrainConfig) -> torch.dtype:
 def load_teacher(config: TrainConfig) -> Any:
     """The target on this rank's device, in `teacher_dtype`."""
     from eagletools.devices import resolve_device
-    from eagletools.target import load_target
+    from eagletools.targets import load_target
 
     t = config.target
     try:
@@ -107,7 +107,7 @@ def cache_job(
 def online_inputs(config: TrainConfig, target: Any = None, dataset: Any = None) -> TrainInputs:
     """The target in the loop; samples from the prepared (tokenised) dataset."""
     from eagletools.data import prepare_dataset
-    from eagletools.target import resolve_aux_layer_ids
+    from eagletools.targets import resolve_aux_layer_ids
 
     if target is None:
         target = load_teacher(config)
@@ -154,7 +154,7 @@ def features(inputs: TrainInputs, batch: Batch) -> tuple[torch.Tensor, torch.Ten
     conversation of a packed row as if alone (its own mask and positions)."""
     if inputs.target_model is None:
         return batch.aux, batch.last_hidden
-    from eagletools.target import capture_aux
+    from eagletools.targets import capture_aux
 
     model = inputs.target_model
     mask, positions = batch.attention_mask.to(model.device), None

@@ -19,7 +19,7 @@ from test_formats import save_target_folder  # noqa: E402
 from eagletools.cli import main as cli
 from eagletools.draft import DraftKVCache, Eagle3Draft
 from eagletools.formats import Checkpoint, load_draft, save_checkpoint
-from eagletools.target import load_target
+from eagletools.targets import load_target
 from eagletools.vocab import DraftVocab
 
 CASES = {

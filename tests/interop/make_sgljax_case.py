@@ -24,8 +24,9 @@ from safetensors.torch import save_file
 
 from eagletools.cli import main as cli
 from eagletools.formats import load_draft
-from eagletools.target import capture_aux, default_aux_layer_ids, load_target, load_tokenizer
-from eagletools.target.folder import export_target, save_target_folder
+from eagletools.targets import capture_aux, default_aux_layer_ids, load_target, load_tokenizer
+from eagletools.targets.folder import save_target_folder
+from eagletools.targets.load import export_target
 from eagletools.vocab import DraftVocab
 
 PROMPTS = [

@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 from conftest import tiny_model
 
-from eagletools.target import capture_aux
-from eagletools.target.anatomy import final_norm
+from eagletools.targets import capture_aux
+from eagletools.targets.anatomy import final_norm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "peer"))
 from speculators_cpu import fp32_newton_schulz, ours  # noqa: E402

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from eagletools.errors import UserError
-from eagletools.target.anatomy import decoder, resolve_aux_layer_ids
+from eagletools.targets.anatomy import decoder, resolve_aux_layer_ids
 
 
 @dataclass

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from eagletools.errors import UserError
-from eagletools.target.load import TargetInfo, dequantised_folder, load_config, resolve_spec
+from eagletools.targets.load import TargetInfo, dequantised_folder, load_config, resolve_spec
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"

@@ -17,7 +17,8 @@ import torch
 
 from eagletools import assets
 from eagletools.errors import UserError
-from eagletools.target.anatomy import embed_tokens, rope_of, text_config
+from eagletools.targets.anatomy import embed_tokens, rope_of, text_config
+from eagletools.targets.folder import save_target_folder
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -176,8 +177,6 @@ def dequantised_folder(spec: str | Path) -> Path | None:
 def _write_dequantised(spec: str, folder: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    from eagletools.target.folder import save_target_folder
-
     model = _load(AutoModelForCausalLM, spec, "model", dtype=torch.float32)
     save_target_folder(model, load_tokenizer(spec), folder, torch.float32, overwrite=True)
 
@@ -199,3 +198,11 @@ def load_target(
     tokenizer = load_tokenizer(source)
     info = TargetInfo.from_config(model.config, str(spec), tokenizer, type(model).__name__)
     return Target(model, tokenizer, info)
+
+
+def export_target(
+    spec: str, folder: str | Path, dtype: torch.dtype = torch.bfloat16, overwrite: bool = False
+) -> Path:
+    """Any target spec (built-in, .gguf, folder, hub id) as a complete HF folder."""
+    target = load_target(spec, dtype=dtype)
+    return save_target_folder(target.model, target.tokenizer, folder, dtype, overwrite)

@@ -1,7 +1,7 @@
 """Targets: load one (built-in name, HF folder, hub id, .gguf), read its config and
 module tree (`anatomy`), and capture its aux hidden states."""
 
-from eagletools.target.anatomy import (
+from eagletools.targets.anatomy import (
     decoder_layers,
     default_aux_layer_ids,
     embed_tokens,
@@ -11,8 +11,8 @@ from eagletools.target.anatomy import (
     resolve_aux_layer_ids,
     rope_of,
 )
-from eagletools.target.aux import AuxOutput, capture_aux
-from eagletools.target.load import (
+from eagletools.targets.aux_states import AuxOutput, capture_aux
+from eagletools.targets.load import (
     Target,
     TargetInfo,
     load_config,
@@ -20,7 +20,7 @@ from eagletools.target.load import (
     load_tokenizer,
     resolve_spec,
 )
-from eagletools.target.summary import TargetSummary, load_target_summary
+from eagletools.targets.summary import TargetSummary, load_target_summary
 
 __all__ = [
     "AuxOutput",

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from eagletools.atomic import atomic_dir
-from eagletools.target.anatomy import rope_of
+from eagletools.targets.anatomy import rope_of
 
 
 def rope_spellings(theta: float, scaling: dict[str, Any] | None) -> dict[str, Any]:
@@ -92,13 +92,3 @@ def save_target_folder(
         if (tmp / "tokenizer_config.json").is_file():
             _edit_json(tmp / "tokenizer_config.json", legacy_tokenizer_class)
     return Path(folder)
-
-
-def export_target(
-    spec: str, folder: str | Path, dtype: torch.dtype = torch.bfloat16, overwrite: bool = False
-) -> Path:
-    """Any target spec (built-in, .gguf, folder, hub id) as a complete HF folder."""
-    from eagletools.target.load import load_target
-
-    target = load_target(spec, dtype=dtype)
-    return save_target_folder(target.model, target.tokenizer, folder, dtype, overwrite)
