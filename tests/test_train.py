@@ -17,7 +17,7 @@ from eagletools.train.checkpoint import checkpoint_dir
 from eagletools.train.data import even_shards, plan_epoch, split_indices
 from eagletools.train.inputs import online_inputs, regeneration_job
 from eagletools.train.recipe import load_config
-from eagletools.train.schedule import FINISH_SECONDS, lr_factor, step_seconds_budget
+from eagletools.train.schedule import FINISH_SECONDS
 from eagletools.train.trainer import Trainer, train
 from eagletools.train.ttt import TTTModel
 
@@ -241,26 +241,6 @@ def test_loss_on_all_trains_on_prompts_and_evaluates_on_replies(tmp_path, monkey
         assert seen and not any(m[:, 0].any() for m in seen)  # held-out: replies only
 
 
-def test_teacher_topk_shapes_training_and_leaves_held_out_whole(tmp_path, monkeypatch):
-    kept = []
-    forward = TTTModel.forward
-
-    def spy(self, input_ids, aux, loss_mask, teacher_probs, *args, **kwargs):
-        kept.append(int((teacher_probs > 0).sum(-1).max()))
-        return forward(self, input_ids, aux, loss_mask, teacher_probs, *args, **kwargs)
-
-    monkeypatch.setattr(TTTModel, "forward", spy)
-    config = tiny_config("training.teacher_topk=4", "training.max_steps=1")
-    trainer = Trainer(config, tmp_path, online_inputs(config, tiny_target(), random_dataset()))
-    trainer.train_step()
-    assert kept == [4]
-    kept.clear()
-    trainer.evaluate()  # held-out losses compare across recipes: the whole teacher
-    assert kept and min(kept) > 4
-    with pytest.raises(UserError, match="training.teacher_topk must be 0"):
-        tiny_config("training.teacher_topk=-1")
-
-
 def test_held_out_metrics_do_not_depend_on_the_eval_batch(tmp_path):
     """Conversations of different lengths share a padded batch; each is scored alone."""
     metrics = []
@@ -291,31 +271,6 @@ def test_resume_follows_the_same_loss_trajectory(tmp_path, monkeypatch):
     assert sorted(got) == list(range(1, 10))
     for step in range(4, 10):
         assert abs(got[step] - want[step]) <= 1e-6, (step, got[step], want[step])
-
-
-def test_ttt_ramp_deepens_the_unroll_with_the_schedule_and_resumes_alike(tmp_path, monkeypatch):
-    """training.ttt_ramp: one step first, then one more every ramp/ttt_steps of the
-    schedule, up to ttt_steps; the held-out unroll keeps eval_ttt_steps; resume is exact."""
-    config = tiny_config("training.max_steps=8", "training.save_every=2", "training.ttt_steps=3",
-                         "training.ttt_ramp=0.5", "training.warmup_steps=0")  # fmt: skip
-    depths = []
-    forward = TTTModel.forward
-
-    def spy(self, *args, steps=None, **kwargs):
-        depths.append(steps)
-        return forward(self, *args, steps=steps, **kwargs)
-
-    monkeypatch.setattr(TTTModel, "forward", spy)
-    full, result = run(tmp_path, config, "full")
-    train = [d for d in depths if d != 4]  # 4: the held-out passes (eval_ttt_steps)
-    # progress step/8: one more step every 0.5/3 of it, i.e. every 1.33 steps
-    assert train == [1, 1, 2, 3, 3, 3, 3, 3]
-    assert len(depths) > len(train) and "acc_3" in result  # held-out still 4 steps deep
-    got = interrupted_and_resumed(tmp_path, monkeypatch, config, after=3)  # resumes at depth 2
-    for h in full.history[1:]:
-        assert abs(got[h["step"]] - h["loss"]) <= 1e-6, (h, got[h["step"]])
-    with pytest.raises(UserError, match="training.ttt_ramp must be in"):
-        tiny_config("training.ttt_ramp=1.0")
 
 
 @pytest.mark.slow
@@ -577,7 +532,9 @@ def test_max_tokens_ends_the_run_and_its_schedule(tmp_path, monkeypatch, budget)
                          "training.eval_every=0", "training.schedule=linear")  # fmt: skip
     trainer, result = run(tmp_path, config)
     assert seen[-1] < budget <= result["trained_tokens"]
-    assert abs(trainer.total - result["steps"]) <= 1 and trainer._progress() >= 1.0
+    s = trainer.state
+    assert abs(trainer.schedule.total - result["steps"]) <= 1
+    assert trainer.schedule.progress(s.step, s.tokens, s.seconds) >= 1.0
     assert trainer.state.epoch == (budget > 760) * (budget // 760)
     lrs = [h["lr"] for h in trainer.history]
     assert lrs[-1] < lrs[len(lrs) // 2] < max(lrs)
@@ -591,15 +548,6 @@ def test_even_shards_give_every_rank_as_many_forwards_and_count_each_item_once(n
     assert counted == list(range(n))
 
 
-def test_step_seconds_budget_takes_the_tighter_of_the_two():
-    assert step_seconds_budget(None, None) is None
-    assert step_seconds_budget(2.0, None, spent_s=500.0) == 120.0  # the steps alone
-    whole = 60.0 * 10 - 100.0 - 40.0 - FINISH_SECONDS
-    assert step_seconds_budget(None, 10.0, 100.0, 40.0) == whole
-    assert step_seconds_budget(5.0, 10.0, 100.0, 40.0) == 300.0
-    assert step_seconds_budget(9.0, 10.0, 100.0, 40.0) == whole
-
-
 def test_total_minutes_leaves_time_for_the_held_out_pass_and_survives_resume(tmp_path, monkeypatch):
     """The steps get the whole run's budget less what came before training and the
     estimated held-out pass, fixed at the first start: a resumed run keeps it."""
@@ -610,8 +558,9 @@ def test_total_minutes_leaves_time_for_the_held_out_pass_and_survives_resume(tmp
     trainer = Trainer(config, tmp_path / "a", inputs, started=time.perf_counter() - spent)
     budget = trainer.state.budget_s
     assert 600 - spent - FINISH_SECONDS - 30 < budget < 600 - spent - FINISH_SECONDS
+    assert trainer.schedule.budget_s == budget
     trainer.state.seconds = budget / 2  # half the time gone: half the decay
-    assert trainer._progress() == pytest.approx(0.5)
+    assert trainer.schedule.progress(0, 0, trainer.state.seconds) == pytest.approx(0.5)
     assert not trainer._finished()
     trainer.state.seconds = budget
     assert trainer._finished()
@@ -645,18 +594,6 @@ def test_total_minutes_refuses_a_run_with_no_time_left_to_train(tmp_path):
 def test_max_tokens_is_checked():
     with pytest.raises(UserError, match="training.max_tokens"):
         tiny_config("training.max_tokens=0")
-
-
-@pytest.mark.parametrize("schedule", ["cosine", "linear"])
-def test_lr_schedule_warms_up_then_decays_to_the_floor(schedule):
-    """Warmup reaches the full rate at its last step; both decays start at 1, end at
-    min_ratio, and differ in between (a quarter in: cosine 0.854, linear 0.75)."""
-    factor = lambda step, progress: lr_factor(step, progress, 4, 0.1, schedule)  # noqa: E731
-    assert [factor(s, 0.0) for s in range(4)] == pytest.approx([0.25, 0.5, 0.75, 1.0])
-    assert factor(4, 0.0) == pytest.approx(1.0)
-    assert factor(9, 1.0) == factor(9, 1.5) == pytest.approx(0.1)
-    quarter = {"cosine": 0.1 + 0.9 * 0.5 * (1 + 2**-0.5), "linear": 0.1 + 0.9 * 0.75}
-    assert factor(6, 0.25) == pytest.approx(quarter[schedule])
 
 
 def test_train_oov_skips_the_full_product_in_training_only(tmp_path, monkeypatch):

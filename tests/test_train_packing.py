@@ -57,14 +57,13 @@ def unroll(model, batch, lm_head, loss_mask=None):
                  norm=torch.ones(model.steps), documents=batch.documents)  # fmt: skip
 
 
-@pytest.mark.parametrize("drop_missed", [False, True])
-def test_packed_row_trains_each_conversation_as_if_alone(drop_missed):
+def test_packed_row_trains_each_conversation_as_if_alone():
     draft = tiny_draft()
     source = conversations(draft)
     lm_head = torch.randn(draft.config.vocab_size, draft.config.target_hidden_size,
                           generator=torch.Generator().manual_seed(1))  # fmt: skip
     # chunk 4: query chunks start inside conversations and cross their boundaries
-    model = TTTModel(draft, steps=4, decay=0.8, chunk=4, drop_missed=drop_missed)
+    model = TTTModel(draft, steps=4, decay=0.8, chunk=4)
     params = [p for p in draft.parameters() if p.requires_grad]
 
     alone = [unroll(model, source.batch([i]), lm_head) for i in range(len(LENGTHS))]
@@ -262,7 +261,7 @@ def test_offline_packed_training_matches_online_closely(tmp_path):
     assert offline.history and len(offline.history) == len(online.history)
     for a, b in zip(offline.history, online.history, strict=True):
         assert abs(a["loss"] - b["loss"]) < 0.05 * abs(b["loss"])
-    rows = [row for batch in offline._epoch_plan(0)[:3] for row in batch]
+    rows = [row for batch in offline.batches.epoch(0)[:3] for row in batch]
     trained = {offline.train_idx[i] for row in rows for i in row}
     assert max(len(row) for row in rows) > 1
     assert set(offline.argmax_memo.rows) == trained | set(offline.eval_idx)

@@ -133,9 +133,9 @@ def interval(m: dict[str, Any], name: str) -> str:
 
 def paired(folder: Path, rows: list[dict[str, Any]]) -> list[str]:
     """Each run of ours against each of the peer's at their last points, resampling the
-    same held-out conversations for both (ttt.paired_difference): the interval of the
+    same held-out conversations for both (held_out.paired_difference): the interval of the
     difference itself, which the runs' own intervals overstate."""
-    from eagletools.train.ttt import paired_difference
+    from eagletools.train.held_out import paired_difference
 
     last = {r["trainer"]: r for r in rows if r.get("last")}
     lines = ["| ours | peer | tokens (ours, peer) | simulated: ours - peer [95%] "

@@ -212,10 +212,10 @@ def held_out(recipe: str, overrides: list[str], draft: Path, work: Path) -> dict
     from safetensors.torch import save_file
 
     from eagletools.formats import load_checkpoint
+    from eagletools.train.held_out import held_out_metrics
     from eagletools.train.inputs import online_inputs
     from eagletools.train.recipe import load_config
     from eagletools.train.trainer import Trainer
-    from eagletools.train.ttt import held_out_metrics
     from eagletools.vocab import DraftVocab
 
     ckpt = load_checkpoint(draft)

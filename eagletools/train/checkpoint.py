@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from eagletools.atomic import atomic_dir
+from eagletools.atomic import atomic_dir, atomic_file
 from eagletools.errors import UserError
 
 PREFIX = "step-"
@@ -132,3 +132,17 @@ def load_checkpoint(
     torch.set_rng_state(state["rng"]["torch"])
     random.setstate((3, tuple(state["rng"]["python"]), None))
     return json.loads((path / "trainer_state.json").read_text())
+
+
+def write_history(out: Path, history: list[dict[str, float]]) -> None:
+    """`OUT/train_log.jsonl`: a line (step, loss, lr) per step, rewritten with each
+    checkpoint so that it never runs past the one a resume starts from."""
+    with atomic_file(out / "train_log.jsonl") as tmp:
+        tmp.write_text("".join(json.dumps(h) + "\n" for h in history))
+
+
+def read_history(out: Path, up_to: int) -> list[dict[str, float]]:
+    """The logged steps up to `up_to`, the step a run resumes from."""
+    path = out / "train_log.jsonl"
+    lines = path.read_text().splitlines() if path.is_file() else []
+    return [h for h in map(json.loads, filter(None, lines)) if h["step"] <= up_to]

@@ -8,13 +8,17 @@ on one.
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from eagletools.data.batch import Batch, Sample, SampleSource
 from eagletools.errors import UserError
 from eagletools.train.packing import plan_packed_epoch
+
+if TYPE_CHECKING:
+    from eagletools.train.recipe import TrainingSection
 
 
 class TokenSamples(SampleSource):
@@ -112,6 +116,39 @@ def epoch_rows(
         return plan_packed_epoch(lengths, global_batch, pack_tokens, seed, epoch, bucket_size)
     plan = plan_epoch(lengths, global_batch, seed, epoch, bucket_size)
     return [[[i] for i in batch] for batch in plan]
+
+
+class EpochBatches:
+    """Every epoch's global batches of training rows (`epoch_rows`), each epoch planned
+    once, and the micro-batches a rank reads from them."""
+
+    def __init__(self, source: SampleSource, train_idx: list[int], world: int, t: TrainingSection):
+        self.source, self.train_idx, self.t = source, train_idx, t
+        self.global_batch = t.batch_size * world
+        self._plan: tuple[int, list[list[list[int]]]] | None = None  # (epoch, its batches)
+
+    def epoch(self, epoch: int) -> list[list[list[int]]]:
+        """The epoch's global batches of rows (positions into `train_idx`: one per row, or
+        packed)."""
+        if self._plan is None or self._plan[0] != epoch:
+            t = self.t
+            lengths = [self.source.length(i) for i in self.train_idx]
+            plan = epoch_rows(lengths, self.global_batch, t.pack_tokens, t.seed, epoch,
+                              t.bucket_size)  # fmt: skip
+            self._plan = (epoch, plan)
+        return self._plan[1]
+
+    def micro_batches(self, epoch: int, start: int, rank: int) -> list[Batch]:
+        """`rank`'s share of the epoch's global batches `start` to `start + grad_accum`."""
+        t, out = self.t, []
+        for global_batch in self.epoch(epoch)[start : start + t.grad_accum]:
+            mine = global_batch[rank * t.batch_size : (rank + 1) * t.batch_size]
+            rows = [[self.train_idx[i] for i in row] for row in mine]
+            batch = self.source.pack(rows, t.pack_tokens or None)
+            if t.loss_on == "all":  # the teacher is the target's distribution there too
+                batch = dataclasses.replace(batch, loss_mask=batch.attention_mask)
+            out.append(batch)
+        return out
 
 
 def steps_per_epoch(num_batches: int, grad_accum: int) -> int:

@@ -7,6 +7,8 @@ hidden-state cache. The data stages (`data.jobs`) a recipe asks for run first.
 
 from __future__ import annotations
 
+import copy
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,8 +16,9 @@ from typing import Any
 import torch
 
 from eagletools.data.batch import Batch, SampleSource
-from eagletools.data.jobs import DataSource, HiddenStatesJob, RegenerateJob
+from eagletools.data.jobs import DataJob, DataSource, HiddenStatesJob, RegenerateJob
 from eagletools.errors import UserError
+from eagletools.stages import run_stages
 from eagletools.train.data import TokenSamples
 from eagletools.train.packing import document_positions
 from eagletools.train.recipe import TrainConfig
@@ -73,16 +76,13 @@ def load_teacher(config: TrainConfig) -> Any:
 def regeneration_job(config: TrainConfig, output: Path) -> RegenerateJob:
     """data.regenerate: the target's own replies to data.train's prompts; with data.offline
     the states the cache needs are kept on the way (`data.captures`)."""
-    from eagletools.decode.sampling import Sampling
     from eagletools.dtypes import dtype_name
 
-    d, r = config.data, config.data.regenerate
-    return RegenerateJob(
-        DataSource(d.train, d.num_samples, d.hub()), output,
-        Sampling(r.temperature, seed=config.training.seed, max_new_tokens=r.max_new_tokens),
+    d = config.data
+    return RegenerateJob(  # the section is the job's settings, `enabled` aside
+        DataSource(d.train, d.num_samples, d.hub()), output, d.regenerate, config.training.seed,
         target=config.target.spec, dtype=dtype_name(str(teacher_dtype(config))),
-        chat_template=d.chat_template, batch_size=r.batch_size, chunk_size=4 * r.batch_size,
-        max_turns=r.max_turns, max_prompt_tokens=r.max_prompt_tokens, keep_states=d.offline,
+        chat_template=d.chat_template, keep_states=d.offline,
         aux_layer_ids=config.target.aux_layer_ids,
     )  # fmt: skip
 
@@ -102,6 +102,37 @@ def cache_job(
         chat_template=d.chat_template, aux_layer_ids=config.target.aux_layer_ids,
         captured=captured, delete_captured=True, dataset=dataset,
     )  # fmt: skip
+
+
+def staged_inputs(
+    config: TrainConfig, out: Path, target: Any = None, dataset: Any = None
+) -> tuple[TrainConfig, TrainInputs]:
+    """Run the data stages a recipe asks for, each skipped once its output is complete and
+    made with the same settings: the target's own replies (data.regenerate), then the
+    hidden-state cache (data.offline). Returns the recipe as trained (data.train: the
+    regenerated conversations) and its inputs; the target loads only if a stage needs it."""
+    from eagletools.data.regenerate import parts_dir
+
+    jobs: list[DataJob] = []
+    if config.data.regenerate.enabled and not config.data.hidden_states:
+        if dataset is not None:
+            raise UserError(
+                "data.regenerate rewrites the replies of the conversations in data.train, but "
+                "a tokenised dataset was passed: pass the conversations as data.train instead, "
+                "or set data.regenerate.enabled=false"
+            )
+        jobs.append(regeneration_job(config, out / "regenerated.jsonl"))
+        config = copy.deepcopy(config)
+        config.data.train = str(jobs[0].output)  # train on the regenerated conversations
+    cache = config.data.hidden_states
+    if config.data.offline and not cache:
+        captured = parts_dir(jobs[0].output) if jobs else None
+        jobs.append(cache_job(config, out / "hidden-states", captured, dataset))
+        cache = jobs[-1].output
+    load = functools.cache(lambda: target or load_teacher(config))
+    run_stages([job.stage(load) for job in jobs])
+    inputs = offline_inputs(config, cache) if cache else online_inputs(config, load(), dataset)
+    return config, inputs
 
 
 def online_inputs(config: TrainConfig, target: Any = None, dataset: Any = None) -> TrainInputs:

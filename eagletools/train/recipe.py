@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from eagletools.data.jobs import RegenerationSettings
 from eagletools.dtypes import dtype_name
 from eagletools.errors import UserError
 
@@ -25,8 +26,15 @@ if TYPE_CHECKING:
     from eagletools.data.conversations import HubOptions
 
 Check = tuple[bool, str, str]  # (holds, the dotted key, what it must be)
+TRACKERS = ("none", "wandb", "tensorboard")  # tracking.report_to
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention", "flash_attention_2",
                              "flash_attention_3")  # fmt: skip
+# levers measured as no help and removed (the figures: docs/lab.md), each with the value
+# that left training as it is now: a recipe naming one is told so rather than that the key
+# is unknown, and a checkpoint saved with one at that value still resumes
+RETIRED = {"training.ttt_ramp": 0.0, "training.drop_missed": False,
+           "training.teacher_temperature": 1.0, "training.teacher_argmax_weight": 0.0,
+           "training.teacher_topk": 0}  # fmt: skip
 
 
 @dataclass
@@ -45,19 +53,15 @@ class TargetSection:
 
 
 @dataclass
-class RegenerateSection:
+class RegenerateSection(RegenerationSettings):
     """data.regenerate: train on the target's own replies to the data's prompts.
 
     `train` writes them first into OUT/regenerated.jsonl (resumable) with the
-    batched runtime, then prepares, splits and trains on that file.
+    batched runtime, then prepares, splits and trains on that file. The other fields and
+    their defaults are `eagletools data regenerate`'s (data.jobs.RegenerationSettings).
     """
 
     enabled: bool = False
-    max_turns: int | None = 1  # user turns kept per conversation (None: all)
-    max_prompt_tokens: int | None = 256  # longer histories end the conversation there
-    max_new_tokens: int = 256
-    temperature: float = 0.0  # 0: greedy, as the drafts are evaluated
-    batch_size: int = 48  # histories per batched forward
 
     def checks(self) -> list[Check]:
         return [
@@ -149,20 +153,13 @@ class DraftSection:
 class TrainingSection:
     ttt_steps: int = 7
     ttt_decay: float = 0.8
-    ttt_ramp: float = 0.0  # > 0: a curriculum over depth; the unroll starts at one step and
-    # gains one every ttt_ramp / ttt_steps of the schedule, so step 0 learns alone first
     loss_on: str = "replies"  # replies: the loss mask's tokens | all: every token, prompts
     # too (the teacher is the target's distribution wherever it is); held-out: replies
     eval_ttt_steps: int = 7  # the held-out unroll (acc_j, simulated acceptance length),
     # apart from ttt_steps so that runs trained at different depths compare
-    drop_missed: bool = False  # GRIFFIN-style: step k >= 1 trains only the positions
-    # where every earlier step hit the target's argmax (the ones a chain reaches)
     train_oov: bool = False  # also train where the target's argmax is outside the draft
     # vocab (speculators does): the teacher there is its in-vocab distribution; training
     # then skips the full-vocab product (its logged hits count the in-vocab argmax)
-    teacher_temperature: float = 1.0  # < 1 sharpens the teacher toward its argmax
-    teacher_argmax_weight: float = 0.0  # w: teacher = (1-w) p + w onehot(argmax)
-    teacher_topk: int = 0  # k > 0: the teacher keeps its k likeliest draft tokens, renormalised
     optimizer: str = "adamw"  # adamw | muon (Muon for the hidden 2-D weights, AdamW else)
     muon_lr_ratio: float = 10.0  # Muon's rate = lr * this
     lr: float = 1e-4
@@ -208,15 +205,8 @@ class TrainingSection:
             (self.ttt_steps >= 1, "training.ttt_steps", "must be at least 1"),
             (self.eval_ttt_steps >= 1, "training.eval_ttt_steps", "must be at least 1"),
             (0 < self.ttt_decay <= 1, "training.ttt_decay", "must be in (0, 1]"),
-            (0 <= self.ttt_ramp < 1, "training.ttt_ramp",
-             "must be in [0, 1): the share of the schedule the unroll deepens over"),
             (self.loss_on in ("replies", "all"), "training.loss_on", "must be replies or all"),
             (self.lr > 0, "training.lr", "must be positive"),
-            (self.teacher_temperature > 0, "training.teacher_temperature", "must be positive"),
-            (0 <= self.teacher_argmax_weight <= 1, "training.teacher_argmax_weight",
-             "must be in [0, 1]"),
-            (self.teacher_topk >= 0, "training.teacher_topk",
-             "must be 0 (the whole distribution) or a positive k"),
             (self.optimizer in ("adamw", "muon"), "training.optimizer", "must be adamw or muon"),
             (self.schedule in ("cosine", "linear"), "training.schedule",
              "must be cosine or linear"),
@@ -247,13 +237,13 @@ class TrainingSection:
 
 @dataclass
 class TrackingSection:
-    report_to: str = "none"  # none | wandb | tensorboard
+    report_to: str = "none"  # one of TRACKERS
     project: str = "eagletools"
     run_name: str | None = None
 
     def checks(self) -> list[Check]:
-        return [(self.report_to in ("none", "wandb", "tensorboard"), "tracking.report_to",
-                 "must be none, wandb or tensorboard")]  # fmt: skip
+        return [(self.report_to in TRACKERS, "tracking.report_to",
+                 f"must be one of {', '.join(TRACKERS)}")]  # fmt: skip
 
 
 @dataclass
@@ -263,7 +253,7 @@ class EvalSection:
     benchmarks: list[str] = field(default_factory=lambda: ["mt-bench", "spec-bench"])
     num_prompts: int = 8  # per benchmark; Spec-Bench is sampled across its categories
     max_new_tokens: int = 128
-    # the tree; null in all three: the shape measured fastest here (eval.tuning), or
+    # the tree; null in all three: the shape measured fastest here (decode.session), or
     # 4, 5, 16 with tune: false
     topk: int | None = None
     depth: int | None = None
@@ -373,6 +363,11 @@ def _apply(obj: Any, data: dict[str, Any], prefix: str, source: str) -> None:
     names = {f.name for f in dataclasses.fields(obj)}
     for key, value in data.items():
         dotted = f"{prefix}{key}"
+        if dotted in RETIRED:
+            raise UserError(
+                f"{source}: {dotted} was retired: measured as no help (the figures are in "
+                "docs/lab.md); remove it from the recipe"
+            )
         if key not in names:
             raise UserError(f"{source}: unknown key {dotted!r}; known: {sorted(names)}")
         current = getattr(obj, key)
@@ -449,6 +444,20 @@ def load_config(
     if overrides:
         _apply(config, parse_overrides(overrides), "", "command-line override")
     config.validate(str(recipe) if recipe is not None else "recipe")
+    return config
+
+
+def saved_config(recipe: dict[str, Any], source: str) -> TrainConfig:
+    """The recipe a checkpoint saved (`TrainConfig.to_dict()` then), read as today's: keys
+    added since take their defaults, retired ones that changed nothing are dropped (one
+    set otherwise stays, and is refused by name)."""
+    recipe = {section: dict(values) for section, values in recipe.items()}
+    for dotted, inert in RETIRED.items():
+        section, key = dotted.split(".")
+        if key in recipe.get(section, {}) and recipe[section][key] == inert:
+            del recipe[section][key]
+    config = TrainConfig()
+    _apply(config, recipe, "", source)
     return config
 
 

@@ -2,19 +2,19 @@
 
 The samples, aux states and teacher come from `train.inputs` (online or from a
 hidden-state cache); either way the teacher is the target's `lm_head` over the
-draft-vocab rows only, and the loss is the training-time-test unroll.
+draft-vocab rows only, and the loss is the training-time-test unroll (`train.ttt`).
+When the run ends and its learning rate are `train.schedule`'s; the held-out pass
+is `train.held_out`'s.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import functools
 import gc
 import json
 import logging
-import math
 import os
 import time
 from dataclasses import dataclass
@@ -23,42 +23,28 @@ from typing import Any
 
 import torch
 
-from eagletools.atomic import atomic_file, write_text
+from eagletools.atomic import write_text
 from eagletools.compiling import require_cpu_compiler
-from eagletools.data.jobs import DataJob
 from eagletools.errors import UserError
-from eagletools.stages import run_stages
 from eagletools.train import checkpoint as ckpt
 from eagletools.train.data import (
     ArgmaxMemo,
-    epoch_rows,
-    even_shards,
+    EpochBatches,
     split_indices,
     steps_per_epoch,
     trainable,
 )
+from eagletools.train.held_out import HeldOut, format_metrics
 from eagletools.train.inputs import (
     TrainInputs,
-    cache_job,
     features,
-    load_teacher,
-    offline_inputs,
-    online_inputs,
-    regeneration_job,
+    staged_inputs,
     training_dtype,
     vocab_counts,
 )
-from eagletools.train.recipe import TrainConfig, dump_config
-from eagletools.train.schedule import lr_factor, step_seconds_budget
-from eagletools.train.ttt import (
-    StepStats,
-    TTTModel,
-    format_metrics,
-    held_out_metrics,
-    step_counts,
-    summarize,
-    teacher_targets,
-)
+from eagletools.train.recipe import TrainConfig, dump_config, saved_config
+from eagletools.train.schedule import Schedule, time_budget
+from eagletools.train.ttt import StepStats, TTTModel, step_counts, summarize, teacher_targets
 from eagletools.vocab import run_vocab, save_run_vocab
 
 log = logging.getLogger(__name__)
@@ -101,7 +87,6 @@ class Trainer:
         self._setup_data()
         self._setup_optimizer(self._setup_model())
         self._setup_teacher()
-        self._setup_schedule()
         self.state = TrainState(skipped_masked_samples=self.skipped_masked)
         self.history: list[dict[str, float]] = []
         if resume:
@@ -111,8 +96,7 @@ class Trainer:
                 f"{self.out} already holds a training run; pass --resume to continue it "
                 "or choose another --output-dir"
             )
-        if self.state.budget_s is None:
-            self.state.budget_s = self._time_budget(started)
+        self._setup_schedule(started)
 
     # -- setup -------------------------------------------------------------
 
@@ -165,13 +149,13 @@ class Trainer:
                 f"({len(train_idx)} had every token masked out of the loss); "
                 "check the chat template and data.max_length"
             )
-        self.global_batch = t.batch_size * self.accelerator.num_processes
-        if len(self.train_idx) < self.global_batch * t.grad_accum:
+        self.batches = EpochBatches(src, self.train_idx, self.accelerator.num_processes, t)
+        step = self.batches.global_batch * t.grad_accum
+        if len(self.train_idx) < step:
             raise UserError(
                 f"{c.data.train}: {len(self.train_idx)} training samples are fewer than one "
-                f"optimizer step takes ({self.global_batch * t.grad_accum} = training.batch_size "
-                "x training.grad_accum x processes); use more data or a smaller "
-                "training.batch_size"
+                f"optimizer step takes ({step} = training.batch_size x training.grad_accum x "
+                "processes); use more data or a smaller training.batch_size"
             )
         v, counted = c.vocab, self.train_idx[: c.vocab.count_samples]
         count = functools.partial(vocab_counts, self.inputs, counted, v.count, self.accelerator)
@@ -203,7 +187,7 @@ class Trainer:
             with torch.no_grad():
                 draft.lm_head.weight.copy_(self.inputs.lm_head_weight[self.vocab.selected])
             draft.lm_head.weight.requires_grad_(False)
-        return TTTModel(draft, t.ttt_steps, t.ttt_decay, t.attn_chunk, t.drop_missed, t.train_oov)
+        return TTTModel(draft, t.ttt_steps, t.ttt_decay, t.attn_chunk, t.train_oov)
 
     def _setup_optimizer(self, model: TTTModel) -> None:
         """AdamW (or Muon and AdamW) over the trainable weights; accelerate wraps model and
@@ -236,25 +220,39 @@ class Trainer:
         self.draft = self._unwrapped().draft
 
     def _setup_teacher(self) -> None:
-        """The target's lm_head on this device; offline, a memo of each sample's argmax."""
+        """The target's lm_head on this device; offline, a memo of each sample's argmax;
+        the held-out conversations, scored by the draft under that teacher."""
+        t = self.config.training
         self.lm_head = self.inputs.lm_head_weight.to(self.device)
         self.d2t = self.draft.d2t
         # offline the hidden states repeat every epoch, so their argmax does too
         self.argmax_memo = ArgmaxMemo() if self.inputs.target_model is None else None
+        self.held_out = HeldOut(self.inputs.source, self.eval_idx, t.eval_batch_size,
+                                t.eval_ttt_steps, self._held_out_stats, self.accelerator)  # fmt: skip
 
-    def _setup_schedule(self) -> None:
-        """Total optimizer steps and warmup steps of the learning-rate schedule; a packed
-        epoch's row count varies a little with its shuffle, and the first one's stands in."""
+    def _setup_schedule(self, started: float) -> None:
+        """The schedule, its time budget fixed when training first starts (a resumed run
+        keeps it); a packed epoch's row count varies a little with its shuffle, and the
+        first one's stands in."""
         t = self.config.training
-        self._plan: tuple[int, list[list[list[int]]]] | None = None  # (epoch, its batches)
-        per_epoch = steps_per_epoch(len(self._epoch_plan(0)), t.grad_accum)
-        epochs = t.num_epochs
-        if t.max_tokens is not None:  # the epochs it fills (the bar, warmup_ratio)
-            epochs = t.max_tokens / max(1, sum(map(self.inputs.source.length, self.train_idx)))
-        self.total = t.max_steps or max(1, math.ceil(per_epoch * epochs))
-        self.warmup = (
-            t.warmup_steps if t.warmup_steps is not None else round(t.warmup_ratio * self.total)
-        )
+        if self.state.budget_s is None:
+            self.state.budget_s = self._time_budget(started)
+        per_epoch = steps_per_epoch(len(self.batches.epoch(0)), t.grad_accum)
+        tokens = sum(map(self.inputs.source.length, self.train_idx))
+        self.schedule = Schedule.of(t, per_epoch, tokens, self.state.budget_s)
+
+    def _time_budget(self, started: float) -> float | None:
+        """The steps' seconds, the same on every rank (`schedule.time_budget`); under
+        training.total_minutes after the final held-out pass, estimated now."""
+        t = self.config.training
+        held_out = 0.0
+        if t.total_minutes is not None and self.eval_idx:
+            held_out = self.held_out.seconds()
+
+        def mean(x: float) -> float:
+            return float(self.accelerator.reduce(torch.tensor(x, device=self.device), "mean"))
+
+        return time_budget(t, time.perf_counter() - started, held_out, mean)
 
     def _unwrapped(self) -> TTTModel:
         """The TTT model without DDP/FSDP or compile wrappers (eager)."""
@@ -269,20 +267,14 @@ class Trainer:
                 f"--resume: no checkpoint under {self.out / 'checkpoints'}; start without --resume"
             )
         state = ckpt.load_checkpoint(found[-1], self.draft, self.optimizer)
-        if state["recipe"] != self.config.to_dict():
+        if saved_config(state["recipe"], str(found[-1])) != self.config:
             raise UserError(
                 f"--resume: {found[-1]} was written with another recipe; resume with the same "
                 f"recipe and overrides (see {self.out / 'recipe.yaml'})"
             )
         self.state = TrainState(**state["position"])
-        self.history = [h for h in self._read_history() if h["step"] <= self.state.step]
+        self.history = ckpt.read_history(self.out, self.state.step)
         log.info("resumed from %s at step %d", found[-1], self.state.step)
-
-    def _read_history(self) -> list[dict[str, float]]:
-        path = self.out / "train_log.jsonl"
-        if not path.is_file():
-            return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line]
 
     def _save(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """Write a checkpoint; returns the gathered state, so the final write reuses it."""
@@ -293,8 +285,7 @@ class Trainer:
                 self.out / "checkpoints", self.state.step, full, self.draft.config.to_dict(),
                 state, self.config.training.keep_last,
             )  # fmt: skip
-            with atomic_file(self.out / "train_log.jsonl") as tmp:
-                tmp.write_text("".join(json.dumps(h) + "\n" for h in self.history))
+            ckpt.write_history(self.out, self.history)
         self.accelerator.wait_for_everyone()
         return full
 
@@ -303,29 +294,22 @@ class Trainer:
     def _teacher(
         self, batch: Any, last_hidden: torch.Tensor, training: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(probs, argmax); the recipe's sharper teacher in training only, so held-out
-        losses compare across runs. A loss that trains every position needs no
-        full-vocab argmax: training then skips that product (its logged hits count
-        the in-vocab argmax); held-out metrics always use the full one."""
-        t, memo = self.config.training, self.argmax_memo
-        full = not training or t.drop_missed or not t.train_oov
+        """(probs, argmax). A loss that trains every position needs no full-vocab argmax:
+        training then skips that product (its logged hits count the in-vocab argmax);
+        held-out metrics always use the full one."""
+        memo = self.argmax_memo
+        full = not training or not self.config.training.train_oov
         known = memo.lookup(batch) if memo is not None and full else None
         device = self.device
         probs, argmax = teacher_targets(
             last_hidden.to(device), self.lm_head, self.d2t,
-            known_argmax=None if known is None else known.to(device),
-            temperature=t.teacher_temperature if training else 1.0,
-            argmax_weight=t.teacher_argmax_weight if training else 0.0,
-            full_argmax=full,
-            topk=t.teacher_topk if training else 0,
+            known_argmax=None if known is None else known.to(device), full_argmax=full,
         )  # fmt: skip
         if memo is not None and known is None and full:
             memo.store(batch, argmax)
         return probs, argmax
 
-    def _forward(
-        self, batch: Any, norm: torch.Tensor, depth: int
-    ) -> tuple[torch.Tensor, StepStats]:
+    def _forward(self, batch: Any, norm: torch.Tensor) -> tuple[torch.Tensor, StepStats]:
         device = self.device
         aux, last_hidden = features(self.inputs, batch)
         probs, argmax = self._teacher(batch, last_hidden)
@@ -333,93 +317,43 @@ class Trainer:
         with self.autocast():
             return self.model(
                 batch.input_ids.to(device), aux.to(device), batch.loss_mask.to(device),
-                probs, argmax, norm, steps=depth, documents=documents,
+                probs, argmax, norm, documents=documents,
             )  # fmt: skip
-
-    def _depth(self) -> int:
-        """The unroll's steps now: training.ttt_steps, or fewer early under training.ttt_ramp
-        (a function of the schedule's progress, so a resumed run unrolls as the first)."""
-        t = self.config.training
-        if t.ttt_ramp == 0:
-            return t.ttt_steps
-        reached = math.floor(max(0.0, self._progress()) * t.ttt_steps / t.ttt_ramp)
-        return min(t.ttt_steps, 1 + reached)
-
-    def _epoch_plan(self, epoch: int) -> list[list[list[int]]]:
-        """The epoch's global batches of rows (positions into `train_idx`: one per row, or
-        packed), planned once per epoch rather than per step."""
-        if self._plan is None or self._plan[0] != epoch:
-            t = self.config.training
-            lengths = [self.inputs.source.length(i) for i in self.train_idx]
-            plan = epoch_rows(lengths, self.global_batch, t.pack_tokens, t.seed, epoch,
-                              t.bucket_size)  # fmt: skip
-            self._plan = (epoch, plan)
-        return self._plan[1]
 
     def _micro_batches(self) -> list[Any]:
         """This rank's share of the next `grad_accum` global batches (advancing epochs)."""
-        t = self.config.training
-        if self.state.batch + t.grad_accum > len(self._epoch_plan(self.state.epoch)):
-            self.state.epoch += 1  # the epoch's last whole optimizer step is done
-            self.state.batch = 0
-        plan = self._epoch_plan(self.state.epoch)
-        start, rank = self.state.batch, self.accelerator.process_index
-        out = []
-        for global_batch in plan[start : start + t.grad_accum]:
-            mine = global_batch[rank * t.batch_size : (rank + 1) * t.batch_size]
-            rows = [[self.train_idx[i] for i in row] for row in mine]
-            batch = self.inputs.source.pack(rows, t.pack_tokens or None)
-            if t.loss_on == "all":  # the teacher is the target's distribution there too
-                batch = dataclasses.replace(batch, loss_mask=batch.attention_mask)
-            out.append(batch)
-        return out
-
-    def _progress(self) -> float:
-        """Share of the schedule done: the largest of the steps (unless training.max_tokens
-        alone ends the run), the time (`_time_budget`) and the tokens."""
-        t, s = self.config.training, self.state
-        shares = [s.seconds / s.budget_s] if s.budget_s is not None else []
-        shares += [s.tokens / t.max_tokens] if t.max_tokens is not None else []
-        if t.max_tokens is None or t.max_steps is not None:
-            shares.append((s.step - self.warmup) / max(1, self.total - self.warmup))
-        return max(shares)
+        s, accum = self.state, self.config.training.grad_accum
+        if s.batch + accum > len(self.batches.epoch(s.epoch)):
+            s.epoch, s.batch = s.epoch + 1, 0  # the epoch's last whole optimizer step is done
+        return self.batches.micro_batches(s.epoch, s.batch, self.accelerator.process_index)
 
     def _finished(self) -> bool:
-        """The first budget spent ends the run: steps (unless training.max_tokens replaces
-        them), tokens (a global count), or time on any rank (all ranks stop together)."""
-        t, s = self.config.training, self.state
-        by_steps = t.max_tokens is None or t.max_steps is not None
-        if (by_steps and s.step >= self.total) or s.tokens >= (t.max_tokens or math.inf):
+        """The schedule's end; time is each rank's own, so all stop on the first late one."""
+        s = self.state
+        if self.schedule.spent(s.step, s.tokens):
             return True
-        if s.budget_s is None:
+        if self.schedule.budget_s is None:
             return False
-        late = torch.tensor(float(s.seconds >= s.budget_s), device=self.device)
+        late = torch.tensor(float(self.schedule.late(s.seconds)), device=self.device)
         return bool(self.accelerator.reduce(late, "sum") > 0)
 
-    def _set_lr(self) -> float:
-        t = self.config.training
-        lr = t.lr * lr_factor(
-            self.state.step, self._progress(), self.warmup, t.min_lr_ratio, t.schedule
-        )
+    def train_step(self) -> dict[str, float]:
+        """One optimizer step over `grad_accum` micro-batches; returns its metrics."""
+        t, s = self.config.training, self.state
+        lr = self.schedule.learning_rate(s.step, s.tokens, s.seconds)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        return lr
-
-    def train_step(self) -> dict[str, float]:
-        t = self.config.training
-        lr = self._set_lr()
         batches = self._micro_batches()
-        depth = self._depth()
-        norm = sum(step_counts(b.loss_mask, depth, b.documents) for b in batches)
+        norm = sum(step_counts(b.loss_mask, t.ttt_steps, b.documents) for b in batches)
         norm = norm.to(self.device)
         norm = self.accelerator.reduce(norm, "sum") / self.accelerator.num_processes
-        total = StepStats.zeros(1, depth, self.device)
+        total = StepStats.zeros(1, t.ttt_steps, self.device)
         losses = []
         tokens = 0
         for i, batch in enumerate(batches):
             last = i == len(batches) - 1
             with contextlib.nullcontext() if last else self.accelerator.no_sync(self.model):
-                loss, stats = self._forward(batch, norm, depth)
+                loss, stats = self._forward(batch, norm)
                 self.accelerator.backward(loss)
             losses.append(loss.detach())
             tokens += batch.num_tokens
@@ -449,92 +383,39 @@ class Trainer:
         metrics.update(lr=lr, grad_norm=float(grad_norm), skipped=float(bad))
         return metrics
 
-    def _held_out_chunks(self) -> list[list[int]]:
-        """The held-out conversations by length, `eval_batch_size` a forward (little padding)."""
-        src, size = self.inputs.source, self.config.training.eval_batch_size
-        order = sorted(range(len(self.eval_idx)), key=lambda i: src.length(self.eval_idx[i]))
-        return [order[i : i + size] for i in range(0, len(order), size)]
-
     @torch.no_grad()
-    def _held_out_stats(self, chunk: list[int]) -> StepStats:
-        t = self.config.training
-        batch = self.inputs.source.batch([self.eval_idx[i] for i in chunk])
+    def _held_out_stats(self, rows: list[int]) -> StepStats:
+        """Per-conversation stats of these held-out rows: the whole teacher, every position
+        the draft vocab can hit, eval_ttt_steps deep, eager (`HeldOut`'s score)."""
+        batch = self.inputs.source.batch(rows)
         aux, last_hidden = features(self.inputs, batch)
         probs, argmax = self._teacher(batch, last_hidden, training=False)
         with self.autocast():
             _, stats = self._unwrapped()(
                 batch.input_ids.to(self.device), aux.to(self.device),
-                batch.loss_mask.to(self.device), probs, argmax, steps=t.eval_ttt_steps,
-                drop_missed=False, train_oov=False,
+                batch.loss_mask.to(self.device), probs, argmax,
+                steps=self.config.training.eval_ttt_steps, train_oov=False,
             )  # fmt: skip
         return stats
 
-    @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Held-out loss, acc_j, simulated and exact acceptance length, each length with a
-        bootstrap 95% interval over the held-out conversations (sharded over ranks)."""
-        start = time.perf_counter()
-        metrics = held_out_metrics(self.held_out_per_sample(), self.config.training.ttt_decay)
-        return {**metrics, "eval_seconds": time.perf_counter() - start}
+        """Held-out loss, acc_j, both acceptance lengths with bootstrap 95% intervals."""
+        return self.held_out.metrics(self.config.training.ttt_decay)
 
     def held_out_per_sample(self) -> StepStats:
-        """Per-conversation held-out sums, every rank's rows: what `evaluate` summarises,
-        and what a paired comparison of two drafts resamples (ttt.paired_difference)."""
-        total = StepStats.zeros(len(self.eval_idx), self.config.training.eval_ttt_steps,
-                                self.device)  # fmt: skip
-        rank, world = self.accelerator.process_index, self.accelerator.num_processes
-        for chunk, counted in even_shards(self._held_out_chunks(), rank, world):
-            stats = self._held_out_stats(chunk)
-            if counted:
-                total.add_(stats, torch.tensor(chunk, device=self.device))
-        return total.map(lambda x: self.accelerator.reduce(x, "sum"))
-
-    def _time_budget(self, started: float) -> float | None:
-        """The steps' seconds (`schedule.step_seconds_budget`), the same on every rank. Under
-        training.total_minutes the final held-out pass is estimated from its longest batch
-        timed now, scaled by tokens: an overestimate, since shorter rows cost less a token."""
-        t = self.config.training
-        held_out = 0.0
-        if t.total_minutes is not None and self.eval_idx:
-            chunks, src = self._held_out_chunks(), self.inputs.source
-            begun = time.perf_counter()
-            float(self._held_out_stats(chunks[-1]).count.sum())  # a host read: GPUs finish first
-            tokens = [sum(src.length(self.eval_idx[i]) for i in c) for c in chunks]
-            world = self.accelerator.num_processes
-            held_out = (time.perf_counter() - begun) * sum(tokens) / tokens[-1] / world
-        budget = step_seconds_budget(t.max_minutes, t.total_minutes,
-                                     time.perf_counter() - started, held_out)  # fmt: skip
-        if budget is None:
-            return None
-        budget = float(self.accelerator.reduce(torch.tensor(budget, device=self.device), "mean"))
-        if budget <= 0:
-            raise UserError(
-                f"training.total_minutes={t.total_minutes}: the data stages and set-up took "
-                f"{(time.perf_counter() - started) / 60:.1f} minutes and the held-out pass "
-                f"needs ~{held_out / 60:.1f}, leaving no time to train; raise "
-                "training.total_minutes or lower data.num_samples (or data.eval_samples)"
-            )
-        if t.total_minutes is not None:
-            log.info("training.total_minutes=%s: %.1f minutes of training steps (held-out "
-                     "pass ~%.1f)", t.total_minutes, budget / 60, held_out / 60)  # fmt: skip
-        return budget
+        """Per-conversation held-out sums (`HeldOut.per_sample`), for a paired comparison."""
+        return self.held_out.per_sample()
 
     # -- the loop ----------------------------------------------------------
 
     def run(self) -> dict[str, Any]:
+        """Train until the schedule ends, evaluating and saving on the way; the final
+        checkpoint, draft and metrics.json once it has."""
         from tqdm.auto import tqdm
 
-        t, c = self.config.training, self.config
-        if self.accelerator.is_main_process:
-            write_text(self.out / "recipe.yaml", dump_config(c))
-            save_run_vocab(self.out, self.vocab, self.vocab_report)
-        if c.tracking.report_to != "none":
-            self.accelerator.init_trackers(
-                c.tracking.project,
-                config=c.flat(),
-                init_kwargs={"wandb": {"name": c.tracking.run_name, "dir": str(self.out)}},
-            )
-        bar = tqdm(total=self.total, initial=self.state.step, desc="train", unit="step",
+        t = self.config.training
+        self._start()
+        bar = tqdm(total=self.schedule.total, initial=self.state.step, desc="train", unit="step",
                    disable=not self.accelerator.is_main_process)  # fmt: skip
         start, start_tokens = time.perf_counter(), self.state.tokens
         eval_metrics: dict[str, float] = {}
@@ -563,14 +444,40 @@ class Trainer:
                 saved = self._save()
         bar.close()
         elapsed = time.perf_counter() - start
-        per_step = [eval_metrics[f"acc_{j}"] for j in range(t.eval_ttt_steps) if eval_metrics]
-        result = {
-            **eval_metrics,
-            "acc": per_step,
+        result = self._result(
+            eval_metrics, elapsed, (self.state.tokens - start_tokens) / max(elapsed, 1e-9)
+        )
+        if finished:  # a run resumed after its end saves nothing in the loop
+            tensors, _ = saved or ckpt.full_state(self.draft, self.optimizer)
+            if self.accelerator.is_main_process:
+                self._write_final(tensors, eval_metrics)
+                write_text(self.out / "metrics.json", json.dumps(result, indent=2))
+        self._close()
+        return result
+
+    def _start(self) -> None:
+        """The run folder's recipe and vocabulary, and the trackers."""
+        c = self.config
+        if self.accelerator.is_main_process:
+            write_text(self.out / "recipe.yaml", dump_config(c))
+            save_run_vocab(self.out, self.vocab, self.vocab_report)
+        if c.tracking.report_to != "none":
+            self.accelerator.init_trackers(
+                c.tracking.project,
+                config=c.flat(),
+                init_kwargs={"wandb": {"name": c.tracking.run_name, "dir": str(self.out)}},
+            )
+
+    def _result(self, held_out: dict[str, float], seconds: float, speed: float) -> dict[str, Any]:
+        """What `run` returns and metrics.json holds: the last held-out metrics and the run's."""
+        steps = self.config.training.eval_ttt_steps
+        return {
+            **held_out,
+            "acc": [held_out[f"acc_{j}"] for j in range(steps) if held_out],
             "steps": self.state.step,
             "trained_tokens": self.state.tokens,
-            "train_seconds": elapsed,
-            "tokens_per_s": (self.state.tokens - start_tokens) / max(elapsed, 1e-9),
+            "train_seconds": seconds,
+            "tokens_per_s": speed,
             "precision": "bf16" if self.dtype == torch.bfloat16 else "fp32",
             "skipped_nan_steps": self.state.skipped_nan_steps,
             "skipped_masked_samples": self.skipped_masked,
@@ -579,13 +486,6 @@ class Trainer:
             "vocab": self.vocab_report,
             **self.inputs.identity,
         }
-        if finished:  # a run resumed after its end saves nothing in the loop
-            tensors, _ = saved or ckpt.full_state(self.draft, self.optimizer)
-            if self.accelerator.is_main_process:
-                self._write_final(tensors)
-                write_text(self.out / "metrics.json", json.dumps(result, indent=2))
-        self._close()
-        return result
 
     def _close(self) -> None:
         """Meet the other ranks, then free the process group while nothing else holds it.
@@ -609,16 +509,19 @@ class Trainer:
         self.accelerator.end_training()  # destroys the group: its workers are joined here
         del last
 
-    def _write_final(self, tensors: dict[str, torch.Tensor]) -> None:
-        """The deployable draft in the `eagle` format, with d2t/t2d."""
+    def _write_final(self, tensors: dict[str, torch.Tensor], held_out: dict[str, Any]) -> None:
+        """The deployable draft in the `eagle` format, with d2t/t2d, and the acceptance its
+        held-out pass recorded, which `doctor` holds a converted copy against."""
         from eagletools.formats import Checkpoint, save_checkpoint
+        from eagletools.formats.record import RECORD, record_from_metrics, record_text
 
-        source = str(self.out / "checkpoints")
+        record = record_from_metrics(held_out, self.draft.config.to_dict())
         save_checkpoint(
-            Checkpoint("eagle", self.draft.config, tensors, source),
+            Checkpoint("eagle", self.draft.config, tensors, str(self.out / "checkpoints")),
             self.out / "final",
             "eagle",
             overwrite=True,
+            extra_files={RECORD: record_text(record)} if record else None,
         )
 
 
@@ -630,33 +533,9 @@ def train(
     target: Any = None,
     dataset: Any = None,
 ) -> dict[str, Any]:
-    """Train a draft per `config` into `output_dir`; returns the final metrics.
-
-    The data stages run first, each skipped once its output is complete and made with
-    the same settings: the target's own replies (data.regenerate), then the hidden-state
-    cache (data.offline). `target`/`dataset` skip loading them (tests, notebooks).
-    """
-    from eagletools.data.regenerate import parts_dir
-
+    """Train a draft per `config` into `output_dir`; returns the final metrics. The data
+    stages a recipe asks for run first (`inputs.staged_inputs`); `target`/`dataset` skip
+    loading them (tests, notebooks)."""
     started = time.perf_counter()  # training.total_minutes counts from here
-    out, d = Path(output_dir), config.data
-    jobs: list[DataJob] = []
-    if d.regenerate.enabled and not d.hidden_states:
-        if dataset is not None:
-            raise UserError(
-                "data.regenerate rewrites the replies of the conversations in data.train, but "
-                "a tokenised dataset was passed: pass the conversations as data.train instead, "
-                "or set data.regenerate.enabled=false"
-            )
-        jobs.append(regeneration_job(config, out / "regenerated.jsonl"))
-        config = copy.deepcopy(config)
-        config.data.train = str(jobs[0].output)  # train on the regenerated conversations
-    cache = config.data.hidden_states
-    if config.data.offline and not cache:
-        captured = parts_dir(jobs[0].output) if jobs else None
-        jobs.append(cache_job(config, out / "hidden-states", captured, dataset))
-        cache = jobs[-1].output
-    load = functools.cache(lambda: target or load_teacher(config))  # only when a stage needs it
-    run_stages([job.stage(load) for job in jobs])
-    inputs = offline_inputs(config, cache) if cache else online_inputs(config, load(), dataset)
-    return Trainer(config, out, inputs, resume=resume, started=started).run()
+    config, inputs = staged_inputs(config, Path(output_dir), target, dataset)
+    return Trainer(config, output_dir, inputs, resume=resume, started=started).run()

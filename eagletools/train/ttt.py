@@ -116,10 +116,7 @@ def teacher_targets(
     d2t: torch.Tensor,
     chunk_tokens: int = 1024,
     known_argmax: torch.Tensor | None = None,
-    temperature: float = 1.0,
-    argmax_weight: float = 0.0,
     full_argmax: bool = True,
-    topk: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's distribution over the draft vocab and its full-vocab argmax.
 
@@ -130,27 +127,15 @@ def teacher_targets(
     (an offline epoch's memo) skips that product, the larger of the two, and so
     does `full_argmax=False`, which returns the argmax over the draft vocab (as
     target ids): all a loss needs that trains every position.
-
-    Greedy decoding accepts only the argmax, so the teacher can lean on it:
-    `temperature` < 1 sharpens it, and `argmax_weight` w mixes in the argmax's
-    one-hot, (1-w) p + w onehot: the cross-entropy becomes (1-w) soft + w hard.
-    `topk` k > 0 keeps only the teacher's k likeliest draft tokens, renormalised:
-    the loss then distils the head of the distribution the tree drafts from and
-    spends nothing on pushing the long tail's mass around.
     """
     rows = torch.arange(d2t.numel(), device=d2t.device) + d2t
     flat = last_hidden.reshape(-1, last_hidden.shape[-1]).to(lm_head_weight.dtype)
-    # one [N, Vd] fp32 tensor throughout (4 GB at 32k tokens x 32k draft ids): each step
-    # below works in place, the softmax a chunk of rows at a time (torch's own kernel, so
-    # a row's probabilities do not depend on how many rows share the call)
+    # one [N, Vd] fp32 tensor (4 GB at 32k tokens x 32k draft ids), softmaxed in place a
+    # chunk of rows at a time (torch's own kernel, so a row's probabilities do not depend
+    # on how many rows share the call)
     probs = (flat @ lm_head_weight[rows].T).float()
-    if temperature != 1.0:
-        probs.div_(temperature)
     for part in probs.split(chunk_tokens):
         part.copy_(torch.softmax(part, dim=-1))
-    if 0 < topk < probs.shape[-1]:
-        head, index = probs.topk(topk, dim=-1)
-        probs.zero_().scatter_(-1, index, head / head.sum(-1, keepdim=True))
     b, t = last_hidden.shape[:2]
     if known_argmax is not None:
         best = known_argmax.reshape(-1)
@@ -158,11 +143,6 @@ def teacher_targets(
         best = rows[argmax(probs)]
     else:
         best = target_argmax(flat, lm_head_weight, chunk_tokens)
-    if argmax_weight:
-        # rows ascend; an argmax outside the draft vocab has no one-hot to mix in
-        index = torch.searchsorted(rows, best).clamp(max=rows.numel() - 1)
-        weight = argmax_weight * (rows[index] == best).float().unsqueeze(-1)
-        probs.mul_(1 - weight).scatter_add_(-1, index.unsqueeze(-1), weight)  # (1-w) p + w onehot
     return probs.view(b, t, -1), best.view(b, t)
 
 
@@ -233,8 +213,6 @@ def step_counts(
 class TTTModel(nn.Module):
     """Wraps a draft so that DDP/FSDP see the whole unroll as one `forward`.
 
-    `drop_missed` (GRIFFIN-style): step k >= 1 trains only the positions where every
-    earlier step hit the target's argmax, the only ones a chain can reach there.
     `train_oov`: also train the positions whose target argmax is outside the draft
     vocab; the draft can never be accepted there, but its teacher, the target's
     distribution over the draft vocab, still shapes the shared features.
@@ -246,12 +224,11 @@ class TTTModel(nn.Module):
         steps: int = 7,
         decay: float = 0.8,
         chunk: int = 512,
-        drop_missed: bool = False,
         train_oov: bool = False,
     ):
         super().__init__()
         self.draft, self.steps, self.decay, self.chunk = draft, steps, decay, chunk
-        self.drop_missed, self.train_oov = drop_missed, train_oov
+        self.train_oov = train_oov
 
     def register_fsdp_methods(self) -> None:
         """FSDP2 gathers a sharded module's weights around its `forward` only, but the unroll
@@ -274,7 +251,6 @@ class TTTModel(nn.Module):
         target_argmax: torch.Tensor,
         norm: torch.Tensor | None = None,
         steps: int | None = None,
-        drop_missed: bool | None = None,
         train_oov: bool | None = None,
         documents: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, StepStats]:
@@ -283,20 +259,18 @@ class TTTModel(nn.Module):
         loss = sum_j decay^j * loss_sum_j / norm_j; `norm` [K] defaults to the
         local masked counts. The trainer passes global counts (over ranks and
         accumulation steps) so any split of a batch gives the same gradient.
-        `steps`, `drop_missed` and `train_oov` override the model's (held-out
-        evaluation). Dropped positions stay in `norm` and in the stats' counts and hits.
+        `steps` and `train_oov` override the model's (held-out evaluation).
         `documents` [B,T] marks packed rows' conversations (`train.packing`): each is
         unrolled as if alone in its row.
         """
         draft = self.draft
-        b, t = input_ids.shape
+        t = input_ids.shape[1]
         hidden = draft.fuse_aux(aux.to(draft.fc.weight.dtype))
         if documents is None:
             positions = torch.arange(t, device=input_ids.device)
         else:
             positions = document_positions(documents)
         t2d = draft.t2d
-        drop = self.drop_missed if drop_missed is None else drop_missed
         oov = self.train_oov if train_oov is None else train_oov
         layers = draft.draft_layers()
         keys: list[list[torch.Tensor]] = [[] for _ in layers]  # per layer: step 0's, diagonals
@@ -310,7 +284,6 @@ class TTTModel(nn.Module):
 
         loss = hidden.new_zeros((), dtype=torch.float32)
         sums, hits, masks = [], [], []
-        alive = torch.ones(b, t, device=input_ids.device)  # every earlier step hit
         for j in range(steps or self.steps):
             ids = _shift(input_ids, 1 + j)
             embeds = draft.embed_tokens(ids).to(hidden.dtype)
@@ -328,12 +301,11 @@ class TTTModel(nn.Module):
             logp = torch.log_softmax(logits.float(), dim=-1)
             ce = -(probs * logp).sum(-1)
             in_vocab = 1.0 if oov else t2d[wanted]
-            row_sums = (ce * mask * in_vocab * (alive if drop else 1.0)).sum(-1)
+            row_sums = (ce * mask * in_vocab).sum(-1)
             denom = (norm[j] if norm is not None else mask.sum()).clamp(min=1.0)
             loss = loss + self.decay**j * row_sums.sum() / denom
             with torch.no_grad():
                 hit = (draft.to_target_ids(argmax(logp)) == wanted).float()
-                alive = alive * hit
                 sums.append(row_sums.detach())
                 hits.append(hit)
                 masks.append(mask)
@@ -364,79 +336,4 @@ def summarize(stats: StepStats, decay: float) -> dict[str, float]:
     out.update({f"acc_{j}": a for j, a in enumerate(acc)})
     out["simulated_acceptance_length"] = simulated_acceptance_length(acc)
     out["exact_acceptance_length"] = float(total.chain.sum() / count[0])
-    return out
-
-
-def format_metrics(metrics: dict[str, float]) -> str:
-    """The headline of `summarize` (with `bootstrap_intervals`) on one log line."""
-    keys = ["loss", "acc_0", "acc_1"]
-    out = [f"{k}={metrics[k]:.3f}" for k in keys if k in metrics]
-    for name in ("simulated", "exact"):
-        key = f"{name}_acceptance_length"
-        if key in metrics:
-            out.append(f"{key}={metrics[key]:.3f} [{metrics[key + '_lo']:.3f}, "
-                       f"{metrics[key + '_hi']:.3f}]")  # fmt: skip
-    return " ".join(out)
-
-
-def _resampled_lengths(stats: StepStats, weights: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Both acceptance lengths [R] of the resamples `weights` [R,N] (row counts)."""
-    correct = weights @ stats.correct.cpu().float()
-    count = (weights @ stats.count.cpu().float()).clamp(min=1.0)
-    return {
-        "simulated": 1 + torch.cumprod(correct / count, dim=1).sum(1),
-        "exact": (weights @ stats.chain.cpu().float()) / count[:, 0],
-    }
-
-
-def _resample_weights(n: int, resamples: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    draws = torch.randint(0, n, (resamples, n), generator=g)
-    return torch.zeros(resamples, n).scatter_add_(1, draws, torch.ones(resamples, n))
-
-
-def _percentiles(values: torch.Tensor, level: float) -> tuple[float, float]:
-    lo, hi = torch.quantile(values, torch.tensor([(1 - level) / 2, (1 + level) / 2])).tolist()
-    return lo, hi
-
-
-def bootstrap_intervals(
-    stats: StepStats, resamples: int = 1000, level: float = 0.95, seed: int = 0
-) -> dict[str, float]:
-    """Percentile intervals of both acceptance lengths over samples drawn with
-    replacement from the rows (held-out conversations) of per-sample `stats`."""
-    weights = _resample_weights(stats.count.shape[0], resamples, seed)
-    out = {}
-    for name, values in _resampled_lengths(stats, weights).items():
-        lo, hi = _percentiles(values, level)
-        out[f"{name}_acceptance_length_lo"], out[f"{name}_acceptance_length_hi"] = lo, hi
-    return out
-
-
-def held_out_metrics(per_sample: StepStats, decay: float) -> dict[str, float]:
-    """`summarize` with both lengths' bootstrap intervals: what a held-out pass reports."""
-    return {**summarize(per_sample, decay), **bootstrap_intervals(per_sample)}
-
-
-def paired_difference(
-    a: StepStats, b: StepStats, resamples: int = 1000, level: float = 0.95, seed: int = 0
-) -> dict[str, float]:
-    """a's acceptance lengths minus b's, with percentile intervals from resampling the
-    same conversations for both: two drafts scored on one held-out set share its easy
-    and hard conversations, so the difference is known more tightly than the two
-    runs' own intervals suggest."""
-    if a.count.shape != b.count.shape or not torch.equal(a.count.cpu(), b.count.cpu()):
-        raise ValueError(
-            "paired_difference: the two stats count different positions; score both "
-            "drafts on the same held-out conversations with the same eval_ttt_steps"
-        )
-    n = a.count.shape[0]
-    weights = torch.cat([torch.ones(1, n), _resample_weights(n, resamples, seed)])  # row 0: all
-    mine, theirs = _resampled_lengths(a, weights), _resampled_lengths(b, weights)
-    out = {}
-    for name in mine:
-        diff = mine[name] - theirs[name]
-        point, (lo, hi) = diff[0], _percentiles(diff[1:], level)
-        key = f"{name}_acceptance_length_difference"
-        out[key], out[f"{key}_lo"], out[f"{key}_hi"] = float(point), lo, hi
     return out
