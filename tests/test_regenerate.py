@@ -226,10 +226,12 @@ def test_job_identity_covers_what_shapes_the_replies(tmp_path):
     data = tmp_path / "chats.jsonl"
     data.write_text(json.dumps({"messages": [{"role": "user", "content": "q"}]}) + "\n")
     job = RegenerateJob(DataSource(str(data)), tmp_path / "out.jsonl", target="t")
-    changes = [{"dtype": "float32"}, {"chunk_size": 3}, {"batch_size": 2}, {"max_turns": 1},
-               {"max_prompt_tokens": 9}, {"sampling": Sampling(seed=1)}, {"target": "u"},
+    settings = [{"batch_size": 2}, {"max_turns": None}, {"max_prompt_tokens": 9},
+                {"max_new_tokens": 9}, {"temperature": 0.5}, {"top_p": 0.5}]  # fmt: skip
+    changes = [{"dtype": "float32"}, {"seed": 1}, {"target": "u"},
                {"chat_template": "{{ messages[0]['content'] }}"},
-               {"data": DataSource(str(data), num_samples=1)}]  # fmt: skip
+               {"data": DataSource(str(data), num_samples=1)},
+               *({"settings": replace(job.settings, **c)} for c in settings)]  # fmt: skip
     identities = [job.identity()] + [replace(job, **change).identity() for change in changes]
     assert len({json.dumps(i, sort_keys=True) for i in identities}) == 1 + len(changes)
     assert replace(job, keep_states=True, aux_layer_ids=[1, 2]).identity() == job.identity()
@@ -238,3 +240,40 @@ def test_job_identity_covers_what_shapes_the_replies(tmp_path):
     assert replace(job, data=DataSource(str(copy))).identity() == job.identity()
     data.write_text(json.dumps({"messages": [{"role": "user", "content": "edited"}]}) + "\n")
     assert job.identity() != identities[0]
+
+
+def test_data_regenerate_and_train_share_defaults_and_identity(tmp_path):
+    """A file `eagletools data regenerate` writes with its defaults is the one `train`
+    reuses with a recipe's defaults: one settings type, one identity (at bf16 training
+    precision, where the teacher runs in target.dtype; in fp32 it runs in fp32, and
+    `--dtype float32` matches)."""
+    import argparse
+
+    from eagletools.commands import data as data_command
+    from eagletools.data.jobs import RegenerationSettings
+    from eagletools.train.inputs import regeneration_job
+    from eagletools.train.recipe import load_config
+
+    data = tmp_path / "chats.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "q"}]}) + "\n")
+    parser = argparse.ArgumentParser()
+    data_command.register(parser.add_subparsers())
+    args = parser.parse_args(
+        [
+            "data",
+            "regenerate",
+            "--target",
+            "smollm2-135m",
+            "--data",
+            str(data),
+            "--output",
+            str(tmp_path / "r.jsonl"),
+        ]
+    )
+    cli_job = data_command.regeneration_from_args(args)
+    config = load_config(
+        None, [f"data.train={data}", "data.regenerate.enabled=true", "training.precision=bf16"]
+    )
+    train_job = regeneration_job(config, tmp_path / "r.jsonl")
+    assert cli_job.settings == RegenerationSettings()
+    assert cli_job.identity() == train_job.identity()

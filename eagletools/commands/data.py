@@ -6,8 +6,16 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from eagletools.commands import add_chat_template_argument, add_command, add_device_argument
+from eagletools.commands import (
+    add_chat_template_argument,
+    add_command,
+    add_device_argument,
+    add_settings_arguments,
+    settings_from_args,
+)
+from eagletools.data.jobs import HiddenStatesJob, RegenerationSettings
 from eagletools.dtypes import dtype_arg
+from eagletools.train.recipe import DataSection, TargetSection
 
 if TYPE_CHECKING:
     from eagletools.data.conversations import HubOptions
@@ -21,7 +29,7 @@ def add_data_args(p: argparse.ArgumentParser) -> None:
         required=True,
         help="built-in dataset, .json/.jsonl/.parquet file or folder, or hub dataset id org/name",
     )
-    p.add_argument("--data-split", default="train", help="hub dataset: the split to read")
+    p.add_argument("--data-split", default=DataSection.split, help="hub dataset: the split to read")
     p.add_argument("--data-revision", default=None, help="hub dataset: branch, tag or commit")
     p.add_argument(
         "--data-streaming",
@@ -42,9 +50,16 @@ def add_prepare_args(p: argparse.ArgumentParser) -> None:
     """Options naming a prepared dataset; shared by every command that tokenises data."""
     p.add_argument("--target", required=True, help="built-in name, HF folder, hub id or .gguf")
     add_data_args(p)
-    p.add_argument("--max-length", type=int, default=2048, help="tokens per sample (truncated)")
+    p.add_argument(
+        "--max-length",
+        type=int,
+        default=DataSection.max_length,
+        help="tokens per sample (truncated)",
+    )
     add_chat_template_argument(p)
-    p.add_argument("--num-proc", type=int, default=1, help="tokenising worker processes")
+    p.add_argument(
+        "--num-proc", type=int, default=HiddenStatesJob.num_proc, help="tokenising worker processes"
+    )
 
 
 def prepare_from_args(args: argparse.Namespace, tokenizer=None):
@@ -97,8 +112,15 @@ def _register_hidden_states(sub: argparse._SubParsersAction) -> None:
     add_prepare_args(p)
     p.add_argument("--output-dir", required=True, help="cache folder (rerun to resume)")
     p.add_argument("--aux-layer-ids", default=None, help="HF indices, e.g. 2,15,27")
-    p.add_argument("--shard-size", type=int, default=256, help="samples per shard file")
-    p.add_argument("--batch-tokens", type=int, default=8192, help="tokens per target forward")
+    p.add_argument(
+        "--shard-size", type=int, default=HiddenStatesJob.shard_size, help="samples per shard file"
+    )
+    p.add_argument(
+        "--batch-tokens",
+        type=int,
+        default=HiddenStatesJob.batch_tokens,
+        help="tokens per target forward",
+    )
     p.add_argument(
         "--captured",
         default=None,
@@ -106,7 +128,10 @@ def _register_hidden_states(sub: argparse._SubParsersAction) -> None:
         "its samples take the states kept there instead of a target pass",
     )
     p.add_argument(
-        "--dtype", default="bfloat16", type=dtype_arg, help="target dtype (the cache is bf16)"
+        "--dtype",
+        default=TargetSection.dtype,
+        type=dtype_arg,
+        help="target dtype (the cache is bf16)",
     )
     add_device_argument(p)
     p.set_defaults(func=_hidden_states)
@@ -162,24 +187,11 @@ def _register_regenerate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--target", help="local target: built-in name, HF folder, hub id or .gguf")
     p.add_argument("--server", help="OpenAI-compatible server URL (vLLM, SGLang) instead")
     p.add_argument("--model", help="model name on the server (default: its first listed)")
-    p.add_argument("--max-new-tokens", type=int, default=512)
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch-size", type=int, default=8, help="histories per generate / requests")
-    p.add_argument("--chunk-size", type=int, default=64, help="conversations per resumable part")
+    p.add_argument("--seed", type=int, default=0, help="a batch samples with seed + its start")
     p.add_argument(
-        "--max-turns",
-        type=int,
-        default=None,
-        help="keep the first N user turns of each conversation",
+        "--dtype", default=TargetSection.dtype, type=dtype_arg, help="a local target's dtype"
     )
-    p.add_argument(
-        "--max-prompt-tokens",
-        type=int,
-        default=None,
-        help="local target: end a conversation before a turn whose history is longer",
-    )
+    add_settings_arguments(p, RegenerationSettings)
     p.add_argument(
         "--keep-states",
         action="store_true",
@@ -194,9 +206,9 @@ def _register_regenerate(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_regenerate)
 
 
-def _regenerate(args: argparse.Namespace) -> int:
+def regeneration_from_args(args: argparse.Namespace):
+    """The regeneration job `data regenerate`'s flags describe, checked."""
     from eagletools.data.jobs import RegenerateJob
-    from eagletools.decode.sampling import Sampling
     from eagletools.errors import UserError
 
     if bool(args.target) == bool(args.server):
@@ -207,15 +219,16 @@ def _regenerate(args: argparse.Namespace) -> int:
         raise UserError("--chat-template is for a local --target; a --server renders with its own")
     if args.max_turns is not None and args.max_turns < 1:
         raise UserError(f"--max-turns must be at least 1, got {args.max_turns}")
-    job = RegenerateJob(
-        _data_source(args), Path(args.output),
-        Sampling(args.temperature, top_p=args.top_p, seed=args.seed,
-                 max_new_tokens=args.max_new_tokens),
-        target=args.target, chat_template=args.chat_template, server=args.server,
-        model=args.model, batch_size=args.batch_size, chunk_size=args.chunk_size,
-        max_turns=args.max_turns, max_prompt_tokens=args.max_prompt_tokens,
-        keep_states=args.keep_states, aux_layer_ids=_layer_ids(args.aux_layer_ids),
+    return RegenerateJob(
+        _data_source(args), Path(args.output), settings_from_args(args, RegenerationSettings),
+        args.seed, target=args.target, dtype=args.dtype, chat_template=args.chat_template,
+        server=args.server, model=args.model, keep_states=args.keep_states,
+        aux_layer_ids=_layer_ids(args.aux_layer_ids),
     )  # fmt: skip
+
+
+def _regenerate(args: argparse.Namespace) -> int:
+    job = regeneration_from_args(args)
     target = None
     if args.target:
         from eagletools.devices import resolve_device

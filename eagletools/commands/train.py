@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from eagletools.commands import add_command
+from eagletools.train.recipe import TRACKERS, TrackingSection
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -18,9 +19,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     p.add_argument(
         "--report-to",
-        choices=["none", "wandb", "tensorboard"],
+        choices=TRACKERS,
         default=None,
-        help="tracker (same as tracking.report_to=...)",
+        help="tracker, as tracking.report_to=... (default: the recipe's, else "
+        f"{TrackingSection.report_to})",
     )
     p.add_argument("--print-config", action="store_true", help="print the resolved recipe, exit")
     p.set_defaults(func=_train)

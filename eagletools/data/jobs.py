@@ -16,12 +16,14 @@ import logging
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from eagletools.data.chat import read_chat_template
 from eagletools.data.conversations import HubOptions
-from eagletools.decode.sampling import Sampling
 from eagletools.stages import Stage
+
+if TYPE_CHECKING:
+    from eagletools.decode.sampling import Sampling
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +85,34 @@ def _processes() -> Any:
 
 
 @dataclass
+class RegenerationSettings:
+    """How the target rewrites the replies: the one home of the defaults that `eagletools
+    data regenerate` and a recipe's `data.regenerate` share, so that a file either one
+    writes with its defaults is one the other reuses (the same job identity)."""
+
+    max_turns: int | None = field(
+        default=1, metadata={"help": "user turns kept per conversation (none: all)"}
+    )
+    max_prompt_tokens: int | None = field(
+        default=256,
+        metadata={"help": "a local target ends a conversation before a longer history (none: "
+                  "no limit)"},
+    )  # fmt: skip
+    max_new_tokens: int = field(default=256, metadata={"help": "tokens per reply at most"})
+    temperature: float = field(default=0.0, metadata={"help": "0: greedy, as drafts are evaluated"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling (1: off)"})
+    batch_size: int = field(
+        default=48,
+        metadata={"help": "histories per batched forward; on a server, requests at a time"},
+    )
+
+    @property
+    def chunk_size(self) -> int:
+        """Conversations per resumable part: a few batches, so a part keeps the batch full."""
+        return 4 * self.batch_size
+
+
+@dataclass
 class RegenerateJob(DataJob):
     """Replace the data's assistant replies with the target's own, turn by turn (JSONL).
 
@@ -93,29 +123,36 @@ class RegenerateJob(DataJob):
     name: ClassVar[str] = "regenerate"
     data: DataSource
     output: Path
-    sampling: Sampling = field(default_factory=Sampling)
+    settings: RegenerationSettings = field(default_factory=RegenerationSettings)
+    seed: int = 0  # a batch's sampling seed is seed + its start
     target: str | None = None  # a local target's spec (the caller loads it)
     dtype: str = "bfloat16"  # the dtype the caller loads that target in
     chat_template: str | None = None  # a local target renders the prompts with it
     server: str | None = None  # an OpenAI-compatible server URL instead of a local target
     model: str | None = None  # the model on the server (None: its first listed)
-    batch_size: int = 8  # histories per batched forward; on a server, requests at a time
-    chunk_size: int = 64  # conversations per resumable part
-    max_turns: int | None = None  # user turns kept per conversation (None: all)
-    max_prompt_tokens: int | None = None  # a local target ends a conversation before longer
     keep_states: bool = False  # a local target keeps the states the cache needs per part
     aux_layer_ids: list[int] | None = None  # those states' layers (None: the default)
 
+    @property
+    def sampling(self) -> Sampling:
+        from eagletools.decode.sampling import Sampling
+
+        s = self.settings
+        return Sampling(
+            s.temperature, top_p=s.top_p, seed=self.seed, max_new_tokens=s.max_new_tokens
+        )
+
     def identity(self) -> dict[str, Any]:
+        s = self.settings
         if self.server:
             backend = {"server": self.server, "model": self.model}
         else:  # a local batch's padding and seed (seed + its start) shape its replies
             template = read_chat_template(self.chat_template)
             backend = {"target": self.target, "dtype": self.dtype, "chat_template": template,
-                       "batch_size": self.batch_size}  # fmt: skip
+                       "batch_size": s.batch_size}  # fmt: skip
         return {**self.data.identity(), **backend, **asdict(self.sampling),
-                "max_turns": self.max_turns, "max_prompt_tokens": self.max_prompt_tokens,
-                "chunk_size": self.chunk_size}  # fmt: skip
+                "max_turns": s.max_turns, "max_prompt_tokens": s.max_prompt_tokens,
+                "chunk_size": s.chunk_size}  # fmt: skip
 
     def is_done(self) -> bool:
         from eagletools.data.regenerate import is_regenerated
@@ -133,8 +170,8 @@ class RegenerateJob(DataJob):
             conversations, report = load_conversations(d.spec, d.num_samples, d.hub)
             echo(report.summary())
             regenerate(conversations, self._generator(target), self.output,
-                       identity=self.identity(), chunk_size=self.chunk_size,
-                       max_turns=self.max_turns)  # fmt: skip
+                       identity=self.identity(), chunk_size=self.settings.chunk_size,
+                       max_turns=self.settings.max_turns)  # fmt: skip
             with open(self.output) as f:
                 written = sum(1 for _ in f)
             dropped = len(conversations) - written
@@ -149,14 +186,15 @@ class RegenerateJob(DataJob):
         from eagletools.targets import resolve_aux_layer_ids
 
         if self.server:
-            return server_generator(self.server, self.sampling, self.model, self.batch_size)
+            return server_generator(
+                self.server, self.sampling, self.model, self.settings.batch_size
+            )
         set_chat_template(target.tokenizer, self.chat_template)
         layers = []
         if self.keep_states:
             layers = resolve_aux_layer_ids(self.aux_layer_ids, target.info.num_layers)
-        return local_generator(
-            target, self.sampling, self.batch_size, self.max_prompt_tokens, layers
-        )
+        s = self.settings
+        return local_generator(target, self.sampling, s.batch_size, s.max_prompt_tokens, layers)
 
 
 @dataclass
