@@ -24,7 +24,7 @@ from typing import Any
 
 from eagletools.atomic import write_text
 from eagletools.devices import resolve_device
-from eagletools.eval.benchmarks import Question
+from eagletools.eval.questions import Question
 from eagletools.eval.report import pipeline_markdown
 from eagletools.stages import Stage, run_stages
 from eagletools.train.recipe import TrainConfig
@@ -47,7 +47,7 @@ def sample_across_categories(questions: list[Question], n: int) -> list[Question
 
 
 def _questions(bench: str, n: int) -> list[Question]:
-    from eagletools.eval.benchmarks import load_benchmark
+    from eagletools.eval.questions import load_benchmark
 
     if bench == "spec-bench":
         return sample_across_categories(load_benchmark(bench), n)
@@ -90,13 +90,12 @@ def stages(config: TrainConfig, out: Path) -> list[Stage]:
             train_dir / "final", draft_path(out, fmt), fmt, target=target, log=log.info
         )  # fmt: skip
 
-    def evaluate(bench: str) -> Callable[[], Any]:
+    def evaluation(bench: str) -> Callable[[], Any]:
         def run() -> None:
-            from eagletools.eval.report import write_report
-            from eagletools.eval.runner import run_eval
+            from eagletools.eval.runner import evaluate
 
             settings = eval_settings(config, device, bench, draft_path(out, "eagle"))
-            write_report(run_eval(settings, questions[bench]), out / "eval" / bench_name(bench))
+            evaluate(settings, questions[bench], out / "eval" / bench_name(bench))
 
         return run
 
@@ -104,7 +103,7 @@ def stages(config: TrainConfig, out: Path) -> list[Stage]:
         Stage("train", train_dir / "metrics.json", train),
         *(Stage(f"convert {fmt}", draft_path(out, fmt), to_format(fmt)) for fmt in ALWAYS),
         *(
-            Stage(f"eval {b}", out / "eval" / bench_name(b) / "results.json", evaluate(b))
+            Stage(f"eval {b}", out / "eval" / bench_name(b) / "results.json", evaluation(b))
             for b in questions
         ),
         *engine_stages(config, out, questions, device),
@@ -114,9 +113,10 @@ def stages(config: TrainConfig, out: Path) -> list[Stage]:
 def _check_engines_run_the_draft(config: TrainConfig) -> None:
     """Refuse, before training, a draft option one of eval.engines would ignore (a second
     layer and llama.cpp: its GGUF conversion would fail after the whole run)."""
-    from eagletools.formats.engines import ENGINES, check_recipe_options
+    from eagletools.engines import ENGINE_NAMES
+    from eagletools.formats.engines import check_recipe_options
 
-    named = [e for e in config.eval.engines if e in ENGINES]  # unknown ones: installed_engines
+    named = [e for e in config.eval.engines if e in ENGINE_NAMES]  # unknown: installed_engines
     check_recipe_options(config.draft.options(), named, "eval.engines")
 
 
@@ -140,7 +140,7 @@ def installed_engines(config: TrainConfig) -> list[str]:
 
 def eval_settings(config: TrainConfig, device: str, bench: str, draft: Path, **fields):
     """The recipe's eval section as eval `Settings`, for every eval stage."""
-    from eagletools.eval.runner import Settings
+    from eagletools.decode.session import Settings
 
     return Settings.of(
         config.eval, target=config.target.spec, draft=str(draft), bench=bench,
@@ -157,30 +157,24 @@ def engine_stages(
     engines = installed_engines(config)
     if not engines or not questions:
         return []
-    from eagletools.engines import ENGINES
+    from eagletools.engines import ENGINES, OURS
     from eagletools.formats.convert import convert
 
     bench = next(iter(questions))
-    formats = {"ours": "eagle"} | {name: ENGINES[name].draft_formats[0] for name in engines}
+    formats = {OURS: "eagle"} | {name: ENGINES[name].draft_formats[0] for name in engines}
     depth = config.eval.engine_depth
+    folders = {OURS: "ours-chain"} | {name: name for name in engines}
 
-    def evaluate(engine: str) -> Callable[[], Any]:
+    def evaluation(engine: str) -> Callable[[], Any]:
         def run() -> None:
-            from eagletools.eval.engine_runner import run_engine_eval
-            from eagletools.eval.report import write_report
-            from eagletools.eval.runner import run_eval
+            from eagletools.eval.runner import evaluate
 
-            folder = out / "engines" / ("ours-chain" if engine == "ours" else engine)
             s = eval_settings(
                 config, device, bench, draft_path(out, formats[engine]), engine=engine, topk=1,
                 depth=depth, num_draft_tokens=depth + 1, autotune=False, hf_baseline=False,
                 compile=False,
             )  # fmt: skip
-            if engine == "ours":
-                results = run_eval(s, questions[bench])
-            else:
-                results = run_engine_eval(s, questions[bench], folder)
-            write_report(results, folder)
+            evaluate(s, questions[bench], out / "engines" / folders[engine])
 
         return run
 
@@ -196,8 +190,8 @@ def engine_stages(
             for fmt in sorted(set(formats.values()) - set(ALWAYS))
         ),
         *(
-            Stage(f"{bench} in {name}", out / "engines" / folder / "results.json", evaluate(name))
-            for name, folder in [("ours", "ours-chain"), *((n, n) for n in engines)]
+            Stage(f"{bench} in {name}", out / "engines" / folder / "results.json", evaluation(name))
+            for name, folder in folders.items()
         ),
     ]
 

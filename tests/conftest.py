@@ -59,7 +59,7 @@ def tiny_model(family: str, seed: int = 0, dtype=torch.float32, **overrides):
 def tune_cache(tmp_path, monkeypatch) -> Path:
     """Where a test's tree shape tunes are cached: never the user's eagletools cache."""
     path = tmp_path / "tuned_shapes.json"
-    monkeypatch.setattr("eagletools.eval.tuning.cache_path", lambda: path)
+    monkeypatch.setattr("eagletools.decode.tuning.cache_path", lambda: path)
     return path
 
 

@@ -265,7 +265,7 @@ def test_bad_inputs(tokenizer):
 @pytest.mark.slow
 def test_smollm2_greedy_lossless_and_equal_to_hf():
     """fp32: speculative == our baseline == HF generate on two MT-bench first turns."""
-    from eagletools.eval.benchmarks import load_benchmark
+    from eagletools.eval.questions import load_benchmark
     from eagletools.eval.runner import chat_ids
     from eagletools.targets import load_target
 

@@ -50,7 +50,7 @@ def test_device_defaults_to_auto_everywhere(argv, cuda):
 
 def test_eval_settings_and_the_recipe_default_to_auto(cuda):
     from eagletools.commands.generate import settings_from_args
-    from eagletools.eval.runner import Settings
+    from eagletools.decode.session import Settings
     from eagletools.train.recipe import EvalSection
 
     assert Settings().device == "cuda"

@@ -11,10 +11,10 @@ from conftest import tiny_draft_config
 from test_formats import make_ckpt
 
 from eagletools.cli import main as cli
+from eagletools.engines import ENGINE_NAMES
 from eagletools.errors import UserError
 from eagletools.formats import load_checkpoint, save_checkpoint
 from eagletools.formats.engines import (
-    ENGINES,
     OPTIONS,
     check_draft_on_disk,
     check_engine,
@@ -54,9 +54,9 @@ def test_non_default_aux_ids_need_the_target_layer_count():
 
 def test_a_second_layer_is_refused_where_only_one_is_run(tmp_path):
     config = tiny_draft_config(num_hidden_layers=2)
-    refused = {e for e in ENGINES if unsupported(config, e)}
+    refused = {e for e in ENGINE_NAMES if unsupported(config, e)}
     assert refused == {"sglang", "sgl-jax", "llama.cpp", "eagle"}
-    assert all(unsupported(tiny_draft_config(), e) == [] for e in ENGINES)
+    assert all(unsupported(tiny_draft_config(), e) == [] for e in ENGINE_NAMES)
     with pytest.raises(UserError, match=r"draft\.engines.*draft\.num_hidden_layers"):
         load_config(overrides=["draft.num_hidden_layers=2", "draft.engines=[vllm, sglang]"])
     load_config(overrides=["draft.num_hidden_layers=2", "draft.engines=[vllm]"])
@@ -108,7 +108,7 @@ def test_recipe_draft_engines_refuse_before_training():
 
 def test_every_cell_says_how_it_is_known_and_docs_print_the_table():
     for option in OPTIONS:
-        assert set(option.cells) == set(ENGINES), option.name
+        assert set(option.cells) == set(ENGINE_NAMES), option.name
         for cell in option.cells.values():
             assert cell.evidence.startswith(("run: ", "read: ")), cell
     assert markdown_table() in DOCS.read_text()

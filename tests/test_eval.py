@@ -9,8 +9,8 @@ from test_decode_engine import one_thread  # noqa: F401  (autouse: one CPU threa
 
 from eagletools.cli import main
 from eagletools.errors import UserError
-from eagletools.eval.benchmarks import load_benchmark, read_questions
 from eagletools.eval.metrics import acceptance, summarize
+from eagletools.eval.questions import load_benchmark, read_questions
 from eagletools.eval.report import markdown, pipeline_markdown
 
 
@@ -101,7 +101,7 @@ def test_summary_speedups():
 def _fabricated_results(records: list[dict], load: dict, cpu_count: int = 8) -> dict:
     from dataclasses import asdict
 
-    from eagletools.eval.runner import Settings
+    from eagletools.decode.session import Settings
 
     machine = {"processor": "x86_64", "cpu_count": cpu_count, "torch": "2", "torch_threads": 2,
                "load_average_at_start": [0.1], "load_during_timing": load}  # fmt: skip
@@ -204,14 +204,16 @@ def test_compiled_eval_is_lossless_and_says_so(tiny_target, tmp_path):
 
 
 def test_autotune_picks_the_fastest_shape(tiny_target):
-    from eagletools.eval.runner import AUTOTUNE_GRID, Settings, run_eval
+    from eagletools.decode.session import Settings
+    from eagletools.decode.tuning import TREE_GRID
+    from eagletools.eval.runner import run_eval
 
     s = Settings(target=str(tiny_target), draft="random", dtype="float32", max_new_tokens=8)
     s.autotune, s.autotune_prompts = True, 1
     questions = load_benchmark("mt-bench", num_prompts=1)
     results = run_eval(s, questions, progress=False)
     trials = results["autotune"]["trials"]
-    assert len(trials) == len(AUTOTUNE_GRID)
+    assert len(trials) == len(TREE_GRID)
     best = max(trials, key=lambda t: t["tokens_per_s"])
     assert (s.topk, s.depth, s.num_draft_tokens) == (
         best["topk"],
@@ -233,8 +235,9 @@ def test_generate_command_streams_and_reports(tiny_target, capsys):
 
 
 def test_wandb_offline(tiny_target, tmp_path, monkeypatch):
+    from eagletools.decode.session import Settings
     from eagletools.eval.report import log_wandb, write_report
-    from eagletools.eval.runner import Settings, run_eval
+    from eagletools.eval.runner import run_eval
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))

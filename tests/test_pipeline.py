@@ -9,7 +9,7 @@ from test_data_chat import CORPUS
 
 from eagletools.cli import main
 from eagletools.errors import UserError
-from eagletools.eval.benchmarks import Question
+from eagletools.eval.questions import Question
 from eagletools.pipeline import sample_across_categories
 from eagletools.train.recipe import load_config
 
@@ -158,8 +158,8 @@ def test_an_unknown_engine_in_the_recipe_is_refused(tmp_path, capsys):
 
 def test_a_recipe_without_a_tree_shape_takes_the_tuned_one(target_dir, tmp_path, monkeypatch):
     """The eval stage goes through the same choice as `eval` and `generate`."""
-    from eagletools.eval import runner
-    from eagletools.eval.tuning import TreeChoice
+    from eagletools.decode import session
+    from eagletools.decode.tuning import TreeChoice
     from eagletools.pipeline import stages
     from eagletools.train.recipe import load_config
 
@@ -170,13 +170,13 @@ def test_a_recipe_without_a_tree_shape_takes_the_tuned_one(target_dir, tmp_path,
     ])  # fmt: skip
     asked = []
 
-    def choose_tree(s, measure):
+    def choose_tree(s, measure, prompts=None):
         asked.append((s.shape, s.tune))
         return TreeChoice((1, 2, 3), "cache")
 
-    real = runner.load_any_draft
-    monkeypatch.setattr(runner, "choose_tree", choose_tree)
-    monkeypatch.setattr(runner, "load_any_draft", lambda spec, *a, **k: real("random", *a, **k))
+    real = session.load_any_draft
+    monkeypatch.setattr(session, "choose_tree", choose_tree)
+    monkeypatch.setattr(session, "load_any_draft", lambda spec, *a, **k: real("random", *a, **k))
     stage = next(s for s in stages(config, tmp_path / "run") if s.name.startswith("eval"))
     stage.run()
     results = json.loads(stage.output.read_text())

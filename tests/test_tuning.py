@@ -8,32 +8,30 @@ import logging
 import pytest
 
 from eagletools.cli import main
-from eagletools.eval import runner, tuning
-from eagletools.eval.measure import Measured, Run
-from eagletools.eval.runner import Settings
+from eagletools.decode import session, tuning
+from eagletools.decode.session import Settings
+from eagletools.decode.timing import Measured, Run
 
 QUIET = {"max": 0.0, "own_cpus": 1.0, "others": 0.0, "samples": 2}
 
 
 def fake_timer(monkeypatch, speeds: dict[str, float]) -> list[list[str]]:
-    """Autotune's timing replaced: each shape (by label) decodes at `speeds[label]` tokens/s;
-    the benchmark's own loop (with `baseline`) runs for real. Returns the tunes' labels."""
-    real, calls = runner.run_methods, []
+    """The tune's timing replaced: each shape (by label) decodes at `speeds[label]` tokens/s;
+    the benchmark's own loop runs for real. Returns the tunes' labels."""
+    calls = []
 
-    def run_methods(groups, questions, tokenizer, progress=True):
+    def run_methods(groups, conversations, tokenizer, progress=True):
         keys = [m.key for m in groups[0]]
-        if "baseline" in keys:
-            return real(groups, questions, tokenizer, progress)
         calls.append(keys)
         runs = {k: [Run([[0] * 8], 8 / speeds[k], None if k == "plain" else [1, 0])] for k in keys}
         return Measured(runs, {"load_during_timing": QUIET})
 
-    monkeypatch.setattr(runner, "run_methods", run_methods)
+    monkeypatch.setattr(tuning, "run_methods", run_methods)
     return calls
 
 
 def speeds(fastest: str) -> dict[str, float]:
-    return {tuning.shape_label(g): 10.0 for g in tuning.TUNE_GRID} | {fastest: 30.0}
+    return {tuning.shape_label(g): 10.0 for g in tuning.TREE_GRID} | {fastest: 30.0}
 
 
 def eval_args(target, tmp_path, out: str, *extra: str) -> list[str]:
@@ -58,7 +56,7 @@ def test_no_shape_tunes_once_then_takes_the_cached_choice(tiny_target, tmp_path,
     caplog.set_level(logging.INFO)
     calls = fake_timer(monkeypatch, speeds("1/3/4"))
     assert main(eval_args(tiny_target, tmp_path, "first")) == 0
-    assert calls == [[tuning.shape_label(g) for g in tuning.TUNE_GRID]]  # plain among them
+    assert calls == [[tuning.shape_label(g) for g in tuning.TREE_GRID]]  # plain among them
     first = results(tmp_path, "first")
     assert first["tree"]["source"] == "tuned" and not first["tree"]["plain"]
     assert (first["settings"]["topk"], first["settings"]["depth"]) == (1, 3)
@@ -83,7 +81,7 @@ def test_a_given_shape_neither_tunes_nor_reads_the_cache(tiny_target, tmp_path, 
     def fail(*args):
         raise AssertionError("the tune cache was consulted")
 
-    monkeypatch.setattr(tuning, "tune_key", fail)
+    monkeypatch.setattr(session, "tune_key", fail)
     monkeypatch.setattr(tuning, "cache_path", fail)
     assert main(eval_args(tiny_target, tmp_path, "out", "--topk", "2")) == 0
     got = results(tmp_path, "out")
@@ -114,7 +112,7 @@ def fake_tune(shape) -> dict:
 
 def test_the_cache_key_follows_the_draft_files(tmp_path):
     def key(draft):
-        return tuning.tune_key(Settings(target="t", draft=str(draft)))
+        return session.tune_key(Settings(target="t", draft=str(draft)))
 
     a, b = tmp_path / "a", tmp_path / "b"
     for folder, weights in ((a, b"one"), (b, b"two")):
@@ -133,11 +131,11 @@ def test_the_cache_key_follows_the_draft_files(tmp_path):
 @pytest.mark.parametrize("text", ["{not json", "[1, 2]", '{"%s": {"shape": "big"}}'])
 def test_a_corrupt_cache_is_ignored_with_a_warning(tune_cache, text, caplog):
     s = Settings(target="t", draft="random")
-    tune_cache.write_text(text % tuning._digest(tuning.tune_key(s)) if "%s" in text else text)
-    tree = tuning.choose_tree(s, lambda: fake_tune((1, 3, 4)))
+    tune_cache.write_text(text % tuning._digest(session.tune_key(s)) if "%s" in text else text)
+    tree = session.choose_tree(s, lambda *_: fake_tune((1, 3, 4)))
     assert (tree.shape, tree.source) == ((1, 3, 4), "tuned")
     assert "ignoring" in caplog.text
-    hit = tuning.choose_tree(s, lambda: pytest.fail("tuned again"))
+    hit = session.choose_tree(s, lambda *_: pytest.fail("tuned again"))
     assert (hit.shape, hit.source) == ((1, 3, 4), "cache")
 
 
@@ -145,17 +143,19 @@ def test_a_tune_under_load_serves_its_run_but_is_not_cached(tune_cache, caplog):
     """Timed beside other work, a choice can be wrong; cached, it would stay wrong."""
     s = Settings(target="t", draft="random")
     loaded = fake_tune((1, 3, 4)) | {"load_during_timing": {**QUIET, "max": 9.0, "others": 8.0}}
-    tree = tuning.choose_tree(s, lambda: loaded)
+    tree = session.choose_tree(s, lambda *_: loaded)
     assert (tree.shape, tree.source) == ((1, 3, 4), "tuned")
     assert "tunes again" in caplog.text and not tune_cache.exists()
-    again = tuning.choose_tree(s, lambda: fake_tune((2, 3, 6)))
+    again = session.choose_tree(s, lambda *_: fake_tune((2, 3, 6)))
     assert (again.shape, again.source) == ((2, 3, 6), "tuned")
-    assert tuning.choose_tree(s, lambda: pytest.fail("tuned again")).source == "cache"
+    assert session.choose_tree(s, lambda *_: pytest.fail("tuned again")).source == "cache"
 
 
 def test_no_tune_and_autotune_take_the_fixed_shape_untimed():
-    no_tune = tuning.choose_tree(Settings(draft="random", tune=False), lambda: pytest.fail())
+    no_tune = session.choose_tree(Settings(draft="random", tune=False), lambda *_: pytest.fail())
     assert (no_tune.shape, no_tune.source) == (tuning.FIXED_SHAPE, "fixed")
     assert no_tune.line() == "tree 4/5/16 (topk/depth/nodes), fixed by --no-tune"
-    autotune = tuning.choose_tree(Settings(draft="random", autotune=True), lambda: pytest.fail())
+    autotune = session.choose_tree(
+        Settings(draft="random", autotune=True), lambda *_: pytest.fail()
+    )
     assert autotune.shape == tuning.FIXED_SHAPE and autotune.line() is None

@@ -6,6 +6,7 @@ import argparse
 
 from eagletools.commands import add_command
 from eagletools.commands.generate import add_decoding_args, settings_from_args
+from eagletools.engines import ENGINE_TIMEOUT, ENGINES, OURS
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -28,13 +29,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--autotune",
         action="store_true",
-        help="time a grid of (topk, depth, num_draft_tokens) first and use the fastest",
+        help="time the tree shapes of the tune (plain decoding among them) on the benchmark's "
+        "first --autotune-prompts questions, at --max-new-tokens, and use the fastest",
     )
-    p.add_argument("--autotune-prompts", type=int, default=3)
+    p.add_argument(
+        "--autotune-prompts", type=int, default=3, help="questions --autotune times the shapes on"
+    )
     p.add_argument(
         "--engine",
-        default="ours",
-        choices=("ours", "vllm", "llama.cpp"),
+        default=OURS,
+        choices=(OURS, *ENGINES),
         help="decode inside this engine: ours (the tree decoder), or a serving engine started "
         "on 127.0.0.1 (vllm: a speculators/eagle draft; llama.cpp: a GGUF draft), drafting a "
         "chain of --depth tokens; install them with make engine-vllm / engine-llamacpp",
@@ -43,7 +47,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--engine-timeout",
         type=float,
-        default=900.0,
+        default=ENGINE_TIMEOUT,
         help="seconds the engine's server may take to start (vLLM compiles on first start)",
     )
     p.add_argument("--wandb", metavar="PROJECT", help="log the run to wandb (offline mode works)")
@@ -53,26 +57,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from eagletools.errors import UserError
-    from eagletools.eval.benchmarks import load_benchmark
-    from eagletools.eval.report import log_wandb, markdown, write_report
-    from eagletools.eval.runner import run_eval
+    from eagletools.eval.questions import load_benchmark
+    from eagletools.eval.report import log_wandb, markdown
+    from eagletools.eval.runner import evaluate
 
     questions = load_benchmark(args.bench, args.num_prompts, args.max_turns)
     s = settings_from_args(args)
-    if s.engine == "ours":
-        results = run_eval(s, questions, progress=not args.no_progress)
-    else:
-        from eagletools.eval.engine_runner import run_engine_eval
-
-        if args.autotune or args.hf_baseline:
-            raise UserError("--autotune and --hf-baseline go with --engine ours")
-        if s.draft:
-            from eagletools.formats.engines import check_draft_on_disk
-
-            check_draft_on_disk(s.draft, s.engine, s.target)
-        results = run_engine_eval(s, questions, args.output_dir, progress=not args.no_progress)
-    files = write_report(results, args.output_dir)
+    results, files = evaluate(s, questions, args.output_dir, progress=not args.no_progress)
     if args.wandb:
         log_wandb(results, files, args.wandb)
     print(markdown(results))

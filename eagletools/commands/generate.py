@@ -5,9 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from eagletools.commands import add_chat_template_argument, add_command, add_device_argument
 from eagletools.dtypes import dtype_arg
+
+if TYPE_CHECKING:
+    from eagletools.decode.session import Settings
 
 
 def draft_argument(value: str) -> str:
@@ -78,8 +82,8 @@ def add_decoding_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def settings_from_args(args: argparse.Namespace):
-    from eagletools.eval.runner import Settings
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    from eagletools.decode.session import Settings
 
     if args.max_new_tokens < 1:
         from eagletools.errors import UserError
@@ -111,8 +115,8 @@ def _generate(args: argparse.Namespace) -> int:
     import torch
 
     from eagletools.data.chat import chat_ids
+    from eagletools.decode.session import load_decoders
     from eagletools.errors import UserError
-    from eagletools.eval.runner import load_decoders
 
     if not args.prompt.strip():
         raise UserError("the prompt is empty: give the text to continue or answer")

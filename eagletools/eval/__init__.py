@@ -1,7 +1,7 @@
-"""Benchmarks, the eval runner, metrics and reports."""
+"""Benchmark questions, the eval runner, metrics and reports."""
 
-from eagletools.eval.benchmarks import Question, load_benchmark
+from eagletools.eval.questions import Question, load_benchmark
 from eagletools.eval.report import write_report
-from eagletools.eval.runner import Settings, load_decoders, run_eval
+from eagletools.eval.runner import evaluate, run_eval
 
-__all__ = ["Question", "Settings", "load_benchmark", "load_decoders", "run_eval", "write_report"]
+__all__ = ["Question", "evaluate", "load_benchmark", "run_eval", "write_report"]

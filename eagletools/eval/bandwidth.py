@@ -37,7 +37,7 @@ def _measure(device: torch.device, rounds: int = 5) -> float:
 def read_bandwidth(device: torch.device | str = "cpu") -> float:
     """The machine's memory read bandwidth in bytes/s, measured once and cached on disk."""
     from eagletools.assets import cache_dir, read_cache_json, write_cache_json
-    from eagletools.eval.measure import machine_key
+    from eagletools.decode.timing import machine_key
 
     device = torch.device(device)
     key, path = machine_key(device), cache_dir() / "read_bandwidth.json"

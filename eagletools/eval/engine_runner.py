@@ -18,16 +18,15 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from eagletools.decode.session import Settings
+from eagletools.decode.timing import Method, run_methods
 from eagletools.engines import ENGINES, Engine
 from eagletools.errors import UserError
-from eagletools.eval.benchmarks import Question
-from eagletools.eval.measure import build_results, run_methods
-from eagletools.eval.methods import EngineServer, Method
-from eagletools.eval.runner import Settings
+from eagletools.eval.measure import build_results
+from eagletools.eval.methods import EngineServer
+from eagletools.eval.questions import Question
 
 log = logging.getLogger(__name__)
-
-ENGINE_NAMES = ("ours", *ENGINES)
 
 
 def engine_inputs(s: Settings, engine: Engine) -> tuple[Path, str, str | None]:
@@ -126,7 +125,7 @@ def run_engine_eval(
     tokenizer = load_tokenizer(s.target)
     set_chat_template(tokenizer, s.chat_template)
     started = time.perf_counter()
-    measured = run_methods(groups, questions, tokenizer, progress)
+    measured = run_methods(groups, [q.turns for q in questions], tokenizer, progress)
     first = groups[0][0].request
     return build_results(
         asdict(s) | {"topk": 1, "num_draft_tokens": s.depth + 1}, s.depth, questions, measured,

@@ -1,10 +1,6 @@
-"""The ways a benchmark decodes a prompt, behind one interface.
-
-A `Method` is a context manager (a serving engine's server lives while it is
-entered) whose `generate(ids)` decodes one prompt of token ids and returns a
-timed `Completion` with the method's own counters: our decoder's accepted
-drafts per verify step, an engine's counters differenced around the request,
-nothing for Hugging Face. `eval.measure.run_methods` drives any set of them.
+"""The ways of decoding only a benchmark times, beside our decoders (decode.timing.Decoder):
+Hugging Face `generate`, nothing counted, and a serving engine's server, its counters
+differenced around each request. `decode.timing.run_methods` drives any set of them.
 """
 
 from __future__ import annotations
@@ -15,53 +11,11 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from eagletools.engines import Completion, Engine, ServeRequest
+from eagletools.decode.timing import Method
+from eagletools.engines import ENGINE_TIMEOUT, Completion, Engine, ServeRequest
 from eagletools.engines.server import free_port, serve
 
 log = logging.getLogger(__name__)
-
-
-class Method:
-    """One way to decode, named by its record key in results.json.
-
-    `reference` is the key of the method whose greedy outputs this one must
-    equal (a drafted decoder's plain decoding), or None.
-    """
-
-    def __init__(self, key: str, max_new_tokens: int, reference: str | None = None) -> None:
-        self.key, self.max_new_tokens, self.reference = key, max_new_tokens, reference
-
-    def __enter__(self) -> Method:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        return None
-
-    def reset(self) -> None:
-        """Forget earlier questions: each question starts cold; its turns may reuse state."""
-
-    def generate(self, ids: list[int], max_new_tokens: int | None = None) -> Completion:
-        raise NotImplementedError
-
-
-class Decoder(Method):
-    """Our `BaselineDecoder` or `SpeculativeDecoder`; a speculative one counts accepted drafts."""
-
-    def __init__(self, key, decoder, max_new_tokens, sampling=None, generator=None, reference=None):
-        from eagletools.decode import Sampling
-
-        super().__init__(key, max_new_tokens, reference)
-        self.decoder, self.sampling, self.generator = decoder, sampling or Sampling(), generator
-
-    def reset(self) -> None:
-        self.decoder.reset()
-
-    def generate(self, ids: list[int], max_new_tokens: int | None = None) -> Completion:
-        r = self.decoder.generate(
-            ids, max_new_tokens or self.max_new_tokens, self.sampling, generator=self.generator
-        )  # fmt: skip
-        drafts = getattr(self.decoder, "draft", None) is not None
-        return Completion(r.tokens, r.seconds, accepted=r.accepted if drafts else None)
 
 
 class HuggingFace(Method):
@@ -97,7 +51,7 @@ class EngineServer(Method):
     """A serving engine's server, up while entered; its counters differenced per request."""
 
     def __init__(self, key, engine: Engine, request: dict, max_new_tokens: int, log_dir: Path,
-                 port: int | None = None, timeout: float = 900.0, reference=None):  # fmt: skip
+                 port: int | None = None, timeout: float = ENGINE_TIMEOUT, reference=None):  # fmt: skip
         super().__init__(key, max_new_tokens, reference)
         self.engine, self.request, self.port, self.timeout = engine, request, port, timeout
         kind = "with the draft" if request["draft"] else "plain"

@@ -1,13 +1,13 @@
 """Write a run: results.json, results.md (Markdown table), PNG plots, wandb; and the
 pipeline's report.md. Every number in every report goes through `_fmt`.
 
-results.json: `settings` (eval.runner.Settings), `machine` (eval.measure.machine,
+results.json: `settings` (decode.session.Settings), `machine` (decode.timing.machine,
 with `load_average_at_end` and `load_during_timing`: `max`, `own_cpus`, `others`,
 `samples`), `summary` (eval.metrics.summarize), `per_prompt` records (each
 method's `new_tokens`, `seconds`, `tokens_per_s` and its `tokens`, one list a turn,
 so two engines' outputs can be compared token by token; our speculative decoder's
 `accepted` per verify step, an engine's `acceptance` counters), `autotune`,
-`tree` (eval.tuning.TreeChoice.record: the shape drafted, `plain` when the
+`tree` (decode.tuning.TreeChoice.record: the shape drafted, `plain` when the
 tune found plain decoding fastest, its `source` and the tune's trials),
 `bandwidth` (ours) or `engine` (a serving engine).
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from eagletools.atomic import atomic_file, write_text
-from eagletools.eval.measure import loaded_by_others
+from eagletools.decode.timing import loaded_by_others
 from eagletools.eval.metrics import headline
 
 

@@ -17,16 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagletools.draft import DraftConfig
+from eagletools.engines import ENGINE_NAMES
 from eagletools.errors import UserError
 from eagletools.targets import default_aux_layer_ids
 
 # TensorRT-LLM's PyTorch backend, read at commit 00679c66 (the search tool's stored copy)
 TRTLLM = "tensorrt_llm/_torch/models/modeling_speculative.py"
-ENGINES = ("vllm", "sglang", "sgl-jax", "llama.cpp", "tensorrt-llm", "eagle")
-ENGINE_NAMES = {
-    "vllm": "vLLM", "sglang": "SGLang", "sgl-jax": "sgl-jax", "llama.cpp": "llama.cpp",
-    "tensorrt-llm": "TensorRT-LLM", "eagle": "original EAGLE code",
-}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -133,8 +129,8 @@ OPTION_TITLES = {
 
 def engine_choice(engine: str) -> str:
     """An engine name as the table spells it; the error lists the known ones."""
-    if engine not in ENGINES:
-        raise UserError(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}")
+    if engine not in ENGINE_NAMES:
+        raise UserError(f"unknown engine {engine!r}; known: {', '.join(ENGINE_NAMES)}")
     return engine
 
 
@@ -196,11 +192,12 @@ def check_draft_on_disk(draft: str | Path, engine: str, target: str | None) -> N
 
 def markdown_table() -> str:
     """The table as docs/formats.md prints it: Yes/No per engine, with how it is known."""
-    head = "| Option | " + " | ".join(ENGINE_NAMES[e] for e in ENGINES) + " |"
-    rows = [head, "|" + "---|" * (len(ENGINES) + 1)]
+    head = "| Option | " + " | ".join(ENGINE_NAMES.values()) + " |"
+    rows = [head, "|" + "---|" * (len(ENGINE_NAMES) + 1)]
     for o in OPTIONS:
         cells = [
-            f"{'yes' if o.cells[e].honoured else 'no'} ({o.cells[e].evidence})" for e in ENGINES
+            f"{'yes' if o.cells[e].honoured else 'no'} ({o.cells[e].evidence})"
+            for e in ENGINE_NAMES
         ]
         rows.append(f"| {OPTION_TITLES[o.name]} | " + " | ".join(cells) + " |")
     return "\n".join(rows)

@@ -1,16 +1,11 @@
-"""The tree shape a run drafts with when it gives none: measured here once, then cached.
+"""Tree shapes: the one grid a run times, the timing, and the choice it keeps.
 
 A shape that suits a GPU can make a CPU slower than plain decoding (issue 42:
 topk 4, depth 5, 16 nodes gave tau 1.8 at 0.97x plain decoding's tokens/s on
-2 cores). So when none of `--topk`, `--depth`, `--num-draft-tokens` (or the
-recipe's `eval` fields) is given, `choose_tree` times `TUNE_GRID` (plain
-decoding, two chains, two trees) on `TUNE_PROMPTS` through
-`eval.runner.autotune` and keeps the fastest: plain decoding when no shape
-beats it. The choice is kept in `tuned_shapes.json` in the eagletools cache
-under everything it depends on (`tune_key`): the target, a hash of the
-draft's files, the machine and threads, dtype, numerics, sampling, and the
-versions of eagletools and torch. `--no-tune` (`eval.tune: false`) drafts
-`FIXED_SHAPE` instead, the default before the tune.
+2 cores). So a run that gives no shape times `TREE_GRID` (plain decoding, two
+chains, two trees) and keeps the fastest: plain decoding when no shape beats
+it (decode.session.choose_tree, which also caches the choice). Every shape
+takes each prompt in turn (decode.timing), so a change in load hits them alike.
 """
 
 from __future__ import annotations
@@ -18,18 +13,15 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from eagletools.eval.benchmarks import Question
-from eagletools.eval.measure import loaded_by_others, machine_key
+import torch
 
-if TYPE_CHECKING:
-    from eagletools.eval.runner import Settings
+from eagletools.decode.sampling import Sampling
+from eagletools.decode.timing import Decoder, Run, run_methods
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +30,7 @@ Shape = tuple[int, int, int]  # (topk, depth, num_draft_tokens)
 FIXED_SHAPE: Shape = (4, 5, 16)  # --no-tune; and the rest of a shape given in part
 # None is plain decoding; chains of 2 and 3 drafts pay on CPUs, where a wide verify costs
 # much more than one row (issue 16); the fixed shape for where it pays (GPUs)
-TUNE_GRID: tuple[Shape | None, ...] = (None, (1, 2, 3), (1, 3, 4), (2, 3, 6), FIXED_SHAPE)
+TREE_GRID: tuple[Shape | None, ...] = (None, (1, 2, 3), (1, 3, 4), (2, 3, 6), FIXED_SHAPE)
 TUNE_TOKENS = 64  # per prompt and shape: a small fixed budget
 TUNE_PROMPTS = (
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -48,17 +40,13 @@ CACHE_FILE = "tuned_shapes.json"
 DRAFT_FILES = (".json", ".safetensors", ".bin")  # a draft folder's config and weights
 
 
-def tune_questions() -> list[Question]:
-    return [Question(f"tune-{i}", "tune", (p,)) for i, p in enumerate(TUNE_PROMPTS)]
-
-
 def shape_label(shape: Shape | None) -> str:
     """A shape as the tune's record key and in messages: `plain`, or `topk/depth/nodes`."""
     return "plain" if shape is None else "/".join(map(str, shape))
 
 
 def trial_shape(trial: dict) -> Shape | None:
-    """The shape one timed trial of `eval.runner.autotune` ran (None: plain decoding)."""
+    """The shape one timed trial of `time_shapes` ran (None: plain decoding)."""
     if trial["topk"] is None:
         return None
     return trial["topk"], trial["depth"], trial["num_draft_tokens"]
@@ -71,7 +59,7 @@ class TreeChoice:
 
     shape: Shape | None
     source: str
-    tune: dict | None = None  # autotune's prompts and trials, and the seconds it took
+    tune: dict | None = None  # the tune's prompts and trials, and the seconds it took
 
     def speedup(self) -> float | None:
         """The chosen shape's tokens/s over plain decoding's in the tune."""
@@ -80,10 +68,11 @@ class TreeChoice:
         return chosen / plain if plain and chosen else None
 
     def record(self) -> dict:
-        """results.json's `tree`."""
+        """results.json's `tree` (an --autotune search's trials are results.json's `autotune`)."""
         topk, depth, nodes = self.shape or (None, None, None)
+        tune = None if self.source == "autotune" else self.tune
         return {"topk": topk, "depth": depth, "num_draft_tokens": nodes,
-                "plain": self.shape is None, "source": self.source, "tune": self.tune}  # fmt: skip
+                "plain": self.shape is None, "source": self.source, "tune": tune}  # fmt: skip
 
     def line(self) -> str | None:
         """The one line a run prints about a shape it did not give (None: it gave one)."""
@@ -130,22 +119,6 @@ def draft_identity(spec: str) -> str:
     return digest.hexdigest()[:24]
 
 
-def tune_key(s: Settings) -> dict:
-    """Everything the fastest shape depends on (call after the run set its threads)."""
-    import torch
-
-    from eagletools import __version__
-
-    return {
-        "target": s.target, "draft": draft_identity(s.draft), "dtype": s.dtype,
-        "machine": machine_key(torch.device(s.device)), "compile": s.compile,
-        "fast_numerics": s.fast_numerics, "sampling": [s.temperature, s.top_k, s.top_p],
-        "eagletools": __version__, "torch": torch.__version__,
-        "grid": [shape_label(g) for g in TUNE_GRID], "prompts": len(TUNE_PROMPTS),
-        "tokens": TUNE_TOKENS,
-    }  # fmt: skip
-
-
 def _digest(key: dict) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
 
@@ -162,34 +135,57 @@ def _cached(entry: object) -> TreeChoice | None:
     return None
 
 
-def choose_tree(s: Settings, measure: Callable[[], dict]) -> TreeChoice:
-    """The shape `s` gives; given none, the one tuned for `tune_key(s)`: from the cache, or
-    `measure()` now (`eval.runner.autotune` over TUNE_GRID) and cached. `--no-tune` and
-    `--autotune` (which searches its own grid next) take FIXED_SHAPE untimed."""
+def cached_choice(key: dict) -> TreeChoice | None:
+    """The choice kept under `key` in the tune cache, if any (and well formed)."""
+    from eagletools.assets import read_cache_json
+
+    entry = read_cache_json(cache_path()).get(_digest(key))
+    return None if entry is None else _cached(entry)
+
+
+def keep_choice(key: dict, chosen: Shape | None, tune: dict) -> None:
+    """Cache `chosen` (None: plain decoding) and its tune under `key`."""
     from eagletools.assets import read_cache_json, write_cache_json
 
-    if s.shape is not None:
-        return TreeChoice(s.shape, "given")
-    if s.autotune:  # its search over the benchmark replaces this shape before any timing
-        return TreeChoice(FIXED_SHAPE, "autotune")
-    if not s.tune:
-        return TreeChoice(FIXED_SHAPE, "fixed")
-    key = tune_key(s)
-    digest, path = _digest(key), cache_path()
+    path = cache_path()
     known = read_cache_json(path)
-    if (entry := known.get(digest)) is not None and (hit := _cached(entry)) is not None:
-        return hit
-    start = time.perf_counter()
-    tune = measure()
-    tune["seconds"] = round(time.perf_counter() - start, 1)
-    chosen = trial_shape(tune["best"])
-    if loaded_by_others(tune["load_during_timing"], os.cpu_count()):
-        # a choice timed beside other work would stay wrong for every later run: not kept
-        log.warning("other work loaded the machine during the tree shape tune (load average "
-                    "up to %s): its choice serves this run only, and the next run tunes again",
-                    tune["load_during_timing"]["max"])  # fmt: skip
-        return TreeChoice(chosen, "tuned", tune)
-    known[digest] = {"key": key, "shape": chosen and list(chosen), "tune": tune,
-                     "measured": time.strftime("%Y-%m-%d %H:%M:%S")}  # fmt: skip
+    known[_digest(key)] = {"key": key, "shape": chosen and list(chosen), "tune": tune,
+                           "measured": time.strftime("%Y-%m-%d %H:%M:%S")}  # fmt: skip
     write_cache_json(path, known)
-    return TreeChoice(chosen, "tuned", tune)
+
+
+def time_shapes(
+    decoder: Callable[[Shape | None], object],
+    prompts: Sequence[str],
+    tokenizer,
+    max_new_tokens: int,
+    sampling: Sampling,
+    seed: int,
+    device: str,
+) -> tuple[dict, dict[Shape | None, object]]:
+    """Time each shape of TREE_GRID (`decoder(shape)` makes its decoder; None: plain) on
+    `prompts`: (the tune: its trials, the best and the load while timing; the decoders,
+    so the chosen one is kept, its compiled step not made again)."""
+    tried = {shape: decoder(shape) for shape in TREE_GRID}
+    timed = [
+        Decoder(shape_label(shape), d, max_new_tokens, sampling,
+                torch.Generator(device=device).manual_seed(seed))
+        for shape, d in tried.items()
+    ]  # fmt: skip
+    measured = run_methods([timed], [(p,) for p in prompts], tokenizer, progress=False)
+    trials = [_trial(shape, measured.runs[shape_label(shape)]) for shape in TREE_GRID]
+    best = max(trials, key=lambda t: t["tokens_per_s"])  # the first of equals: plain leads
+    tune = {"prompts": len(prompts), "max_new_tokens": max_new_tokens, "trials": trials,
+            "best": best, "load_during_timing": measured.machine["load_during_timing"]}  # fmt: skip
+    return tune, tried
+
+
+def _trial(shape: Shape | None, runs: list[Run]) -> dict:
+    """One shape's figures in a tune: tokens/s over its prompts, and tau (plain: 1)."""
+    topk, depth, nodes = shape or (None, None, None)
+    accepted = [a for r in runs for a in r.accepted or []]
+    return {
+        "topk": topk, "depth": depth, "num_draft_tokens": nodes,
+        "tokens_per_s": sum(r.num_tokens for r in runs) / sum(r.seconds for r in runs),
+        "tau": 1 + sum(accepted) / len(accepted) if shape and accepted else 1.0,
+    }  # fmt: skip

@@ -1,0 +1,226 @@
+"""The one timing loop: conversations through ways of decoding, each prompt in turn.
+
+A `Method` is a context manager (a serving engine's server lives while it is
+entered) whose `generate(ids)` decodes one prompt of token ids and returns a
+timed `Completion` with its own counters. Methods entered together (a group)
+take each prompt in turn, so a change in machine load hits them alike; groups
+run one after another (an engine's plain server, then its server with the
+draft). A multi-turn conversation feeds each method its own earlier answers
+through the target's chat template. The load average is sampled around the
+timed runs, beside this process tree's own CPU use, so a report can say when
+other work skewed the timings. It sits below eval/ because the tree shape tune
+(decode.tuning) times with it too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+from eagletools.data.chat import chat_ids
+from eagletools.engines import Completion, Counters
+
+if TYPE_CHECKING:
+    import torch
+
+
+class Method:
+    """One way to decode, named by its record key in results.json.
+
+    `reference` is the key of the method whose greedy outputs this one must
+    equal (a drafted decoder's plain decoding), or None.
+    """
+
+    def __init__(self, key: str, max_new_tokens: int, reference: str | None = None) -> None:
+        self.key, self.max_new_tokens, self.reference = key, max_new_tokens, reference
+
+    def __enter__(self) -> Method:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    def reset(self) -> None:
+        """Forget earlier questions: each question starts cold; its turns may reuse state."""
+
+    def generate(self, ids: list[int], max_new_tokens: int | None = None) -> Completion:
+        raise NotImplementedError
+
+
+class Decoder(Method):
+    """Our `BaselineDecoder` or `SpeculativeDecoder`; a speculative one counts accepted drafts."""
+
+    def __init__(self, key, decoder, max_new_tokens, sampling=None, generator=None, reference=None):
+        from eagletools.decode import Sampling
+
+        super().__init__(key, max_new_tokens, reference)
+        self.decoder, self.sampling, self.generator = decoder, sampling or Sampling(), generator
+
+    def reset(self) -> None:
+        self.decoder.reset()
+
+    def generate(self, ids: list[int], max_new_tokens: int | None = None) -> Completion:
+        r = self.decoder.generate(
+            ids, max_new_tokens or self.max_new_tokens, self.sampling, generator=self.generator
+        )  # fmt: skip
+        drafts = getattr(self.decoder, "draft", None) is not None
+        return Completion(r.tokens, r.seconds, accepted=r.accepted if drafts else None)
+
+
+@dataclass
+class Run:
+    """One question through one method: each turn's tokens, and the sums over its turns."""
+
+    tokens: list[list[int]]
+    seconds: float
+    accepted: list[int] | None = None
+    counters: Counters | None = None
+    engine_tokens_per_s: list[float] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
+    def record(self) -> dict:
+        n = self.num_tokens
+        out = {"new_tokens": n, "seconds": round(self.seconds, 4),
+               "tokens_per_s": n / self.seconds if self.seconds else 0.0,
+               "tokens": self.tokens}  # fmt: skip
+        if self.accepted is not None:
+            out["accepted"] = self.accepted
+        if self.counters is not None:
+            out["acceptance"] = asdict(self.counters)
+        if readings := self.engine_tokens_per_s:
+            out["engine_tokens_per_s"] = sum(readings) / len(readings)
+        return out
+
+
+def converse(method: Method, tokenizer, turns: Sequence[str]) -> Run:
+    """Each user turn in order; the reply (text of the generated tokens) joins the history."""
+    messages, done = [], []
+    for turn in turns:
+        messages.append({"role": "user", "content": turn})
+        done.append(method.generate(chat_ids(tokenizer, messages)))
+        reply = tokenizer.decode(done[-1].tokens, skip_special_tokens=True).strip()
+        messages.append({"role": "assistant", "content": reply})
+    accepted = [c.accepted for c in done if c.accepted is not None]
+    counters = [c.counters for c in done if c.counters is not None]
+    return Run(
+        [c.tokens for c in done],
+        sum(c.seconds for c in done),
+        [a for turn in accepted for a in turn] if accepted else None,
+        sum(counters, Counters()) if counters else None,
+        [c.engine_tokens_per_s for c in done if c.engine_tokens_per_s],
+    )
+
+
+def machine() -> dict:
+    import torch
+
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "torch": torch.__version__,
+        "load_average_at_start": _load_average(),
+    }
+
+
+def machine_key(device: torch.device) -> str:
+    """What a figure measured on `device` depends on besides the work: the device type,
+    the GPU or CPU model, the cores and torch's threads (a key of the eagletools cache)."""
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu
+    return f"{device.type}|{where}|{os.cpu_count()} cpus|{torch.get_num_threads()} threads"
+
+
+def loaded_by_others(load: dict | None, cpu_count: int | None) -> bool:
+    """Whether other work kept over half the cores busy while timing (`LoadMeter.result`)."""
+    return bool(load) and load["others"] > (cpu_count or 1) / 2
+
+
+def _load_average() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def _own_cpu_seconds() -> float:
+    """CPU seconds of this process and its children (an engine's server is ours too)."""
+    import psutil  # accelerate's dependency
+
+    me = psutil.Process()
+    total = 0.0
+    for p in [me, *me.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):
+            times = p.cpu_times()
+            total += times.user + times.system
+    return total
+
+
+class LoadMeter:
+    """The 1-minute load average sampled around timed runs, less our own busy CPUs."""
+
+    def __init__(self) -> None:
+        self.samples: list[float] = []
+        self.cpu = self.wall = 0.0
+
+    def sample(self) -> None:
+        self.samples.append(os.getloadavg()[0])
+
+    @contextlib.contextmanager
+    def timing(self) -> Iterator[None]:
+        cpu, start = _own_cpu_seconds(), time.perf_counter()
+        self.sample()
+        try:
+            yield
+        finally:
+            self.sample()
+            self.cpu += _own_cpu_seconds() - cpu
+            self.wall += time.perf_counter() - start
+
+    def result(self) -> dict:
+        peak = max(self.samples, default=os.getloadavg()[0])
+        own = self.cpu / self.wall if self.wall else 0.0
+        return {"max": round(peak, 2), "own_cpus": round(own, 2),
+                "others": round(max(peak - own, 0.0), 2), "samples": len(self.samples)}  # fmt: skip
+
+
+@dataclass
+class Measured:
+    runs: dict[str, list[Run]]  # by method key, one per conversation
+    machine: dict  # machine() at the start, the load average at the end and during timing
+
+
+def run_methods(
+    groups: Sequence[Sequence[Method]],
+    conversations: Sequence[Sequence[str]],
+    tokenizer,
+    progress: bool = True,
+) -> Measured:
+    """Every conversation through every method; each group entered, warmed up on a short
+    prompt (first allocations and compilation untimed), then timed prompt by prompt."""
+    from tqdm.auto import tqdm
+
+    warm_up = chat_ids(tokenizer, [{"role": "user", "content": "Hello"}])
+    at_start, meter = machine(), LoadMeter()
+    runs: dict[str, list[Run]] = {}
+    for group in groups:
+        with contextlib.ExitStack() as stack:
+            for method in group:
+                stack.enter_context(method).generate(warm_up, 8)
+            desc = " / ".join(m.key for m in group)
+            for turns in tqdm(conversations, desc=desc, unit="prompt", disable=not progress):
+                with meter.timing():
+                    for method in group:
+                        method.reset()
+                        runs.setdefault(method.key, []).append(converse(method, tokenizer, turns))
+    at_end = {"load_average_at_end": _load_average(), "load_during_timing": meter.result()}
+    return Measured(runs, at_start | at_end)
