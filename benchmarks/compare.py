@@ -34,14 +34,16 @@ from pathlib import Path
 from eagletools.atomic import write_text
 from eagletools.data.chat import chat_ids
 from eagletools.decode import SpeculativeDecoder
+from eagletools.decode.session import Settings, load_decoders
+from eagletools.decode.timing import Decoder, Measured, Method, run_methods
 from eagletools.dtypes import dtype_arg
 from eagletools.eval import bandwidth
-from eagletools.eval.benchmarks import load_benchmark
-from eagletools.eval.measure import Measured, build_results, first_difference, run_methods
-from eagletools.eval.methods import Decoder, HuggingFace, Method
+from eagletools.eval.measure import build_results, first_difference
+from eagletools.eval.methods import HuggingFace
 from eagletools.eval.metrics import method_figures
+from eagletools.eval.questions import load_benchmark
 from eagletools.eval.report import methods_markdown
-from eagletools.eval.runner import Settings, load_decoders, reserve
+from eagletools.eval.runner import reserve
 
 HF, OURS = "HF generate (greedy)", "eagletools baseline"
 
@@ -155,7 +157,7 @@ def main() -> None:
     questions = load_benchmark("mt-bench", args.num_prompts, max_turns=1)
     reserve(decoders, s, questions)  # one KV cache for every prompt: no allocation timed
     groups = [ours, *engine_groups(engines, args)]
-    measured = run_methods(groups, questions, decoders.target.tokenizer)
+    measured = run_methods(groups, [q.turns for q in questions], decoders.target.tokenizer)
     methods = [m for group in groups for m in group]
     results = build_results(vars(args), s.depth, questions, measured, methods)
     depth = max(s.depth, args.chain_depth)

@@ -18,10 +18,11 @@ import argparse
 import json
 
 from eagletools.atomic import write_text
+from eagletools.decode.session import Settings
 from eagletools.dtypes import dtype_arg
-from eagletools.eval.benchmarks import load_benchmark
+from eagletools.eval.questions import load_benchmark
 from eagletools.eval.report import load_warning
-from eagletools.eval.runner import Settings, run_eval
+from eagletools.eval.runner import run_eval
 
 
 def figures(summary: dict) -> dict:

@@ -71,8 +71,8 @@ def timed(fn, repeats: int) -> dict:
 def measure(args: argparse.Namespace) -> dict[str, dict]:
     """`timed` for each piece, on the eagletools this process imports."""
     from eagletools.decode import SpeculativeDecoder, Transformer
+    from eagletools.decode.session import load_any_draft
     from eagletools.decode.tree import grow_tree
-    from eagletools.eval.runner import load_any_draft
     from eagletools.targets import load_target
 
     dtype = torch.bfloat16

@@ -64,7 +64,7 @@ def step0_hits(runtime, draft, prompt: list[int], reply: list[int]) -> tuple[int
 def replay(path: Path, runtime, draft, tokenizer) -> list[dict]:
     """Per prompt of one results.json: the measured rate and the replayed one."""
     from eagletools.data.chat import chat_ids
-    from eagletools.eval.benchmarks import load_benchmark
+    from eagletools.eval.questions import load_benchmark
 
     results = json.loads(path.read_text())
     if "tokens" not in results["per_prompt"][0].get("baseline", {}):
@@ -95,9 +95,9 @@ def main() -> None:
     args = p.parse_args()
 
     from eagletools.decode import Transformer
+    from eagletools.decode.session import load_any_draft
     from eagletools.dtypes import parse_dtype
     from eagletools.eval.measure import first_difference
-    from eagletools.eval.runner import load_any_draft
     from eagletools.targets import load_target
 
     dtype = parse_dtype(args.dtype)

@@ -9,17 +9,19 @@ section, so a run cut short still leaves what it measured.
 Sections (`--sections`, comma-separated; default all, in this order):
   env      GPU, versions, device copy bandwidth (the floor for memory-bound
            kernels) and bf16 matmul TFLOP/s
-  kernels  each Triton kernel against its PyTorch reference on fresh inputs at
-           Llama-3.1-8B shapes (32/8 heads x 128, prefix 2048, trees of 16/32/64,
-           vocab 128256, draft vocab 32000), outputs poisoned first; error, times,
-           GB/s against the floor
+  kernels  each Triton kernel against its PyTorch reference on the kernel tests'
+           inputs (eagletools.kernels.cases) at Llama-3.1-8B shapes (32/8 heads x
+           128, prefix 2048, trees of 16/32/64, vocab 128256, draft vocab 32000),
+           outputs poisoned first; error, times, GB/s against the floor
   decode   plain and speculative tokens/s of eagletools' decoder on a random
            SmolLM2-135M-shaped target with a random draft (tau ~ 1), greedy
            speculative output == plain output (bf16 and fp32), the speculative
            step with and without CUDA graphs; one forward of an 8B-shaped target
            cut to a few layers (weight GB/s)
-  train    TTT unroll training step (bf16 autocast, AdamW) of a Llama-3.1-8B-sized
-           draft at batch 1 and 8 x 2048 tokens: tokens/s, peak memory
+  train    the trainer's own step (`Trainer.train_step` as recipes/llama3.1-8b.yaml
+           sets it up: AdamW, its grad clip, bf16) of a Llama-3.1-8B-sized draft,
+           the target (cut to 4 layers) in the loop, at batch 1 and 8 x 2048
+           tokens: tokens/s, peak memory
   fsdp     1-process FSDP2 (`fully_shard`) save with the trainer's checkpoint
            writer, resume into a fresh model: identical state and next losses
 
@@ -40,20 +42,18 @@ import copy
 import datetime
 import faulthandler
 import importlib.metadata
-import importlib.util
 import json
 import os
 import platform
-import socket
 import statistics
 import sys
 import tempfile
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import torch
@@ -61,6 +61,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a file without PYTHONPATH: eagletools from this checkout
     sys.path.insert(0, str(ROOT))
+
+from eagletools.kernels import cases  # noqa: E402  (after the checkout is on the path)
 
 SECTIONS = ("env", "kernels", "decode", "train", "fsdp")
 
@@ -75,6 +77,7 @@ LLAMA31_8B = dict(
     num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
     rms_norm_eps=1e-5, tie_word_embeddings=False,
 )  # fmt: skip
+LLAMA31_8B_CUT = dict(LLAMA31_8B, num_hidden_layers=4)  # its layers' and head's widths, fast
 TINY = dict(
     vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -86,18 +89,17 @@ TINY = dict(
 class Plan:
     """What each section runs: real shapes on a GPU, tiny ones on CPU."""
 
-    heads: tuple[int, int, int]  # kernels: (query heads, KV heads, head_dim)
+    shape: cases.Shape  # kernels: the target's heads, head_dim and vocab
     prefix: int  # kernels: cached tokens before the tree
     tree_sizes: tuple[int, ...]  # kernels: tree nodes N
     topk_rows: tuple[int, ...]  # kernels: rows of draft logits per top-k call
-    vocab: int
     draft_vocab: int
     target: dict  # decode: the target's shapes
     prompt_len: int
     new_tokens: int
     tree: tuple[int, int, int]  # decode: topk, depth, num_draft_tokens
     big_target: dict | None  # decode: an 8B-shaped target with few layers (None: skip)
-    train_target: dict  # train: the target whose draft is trained
+    train_target: dict  # train: the target whose draft is trained (in the loop)
     seq_len: int
     batches: tuple[int, ...]
     train_steps: int  # timed steps per batch size (after one warm-up step)
@@ -108,16 +110,16 @@ class Plan:
 def make_plan(device: torch.device, quick: bool) -> Plan:
     if device.type == "cpu":
         return Plan(
-            heads=(4, 2, 16), prefix=24, tree_sizes=(8,), topk_rows=(2,), vocab=1000,
-            draft_vocab=300, target=TINY, prompt_len=8, new_tokens=8, tree=(2, 3, 6),
+            shape=cases.Shape("tiny", 4, 2, 16, 1000, 4, 8), prefix=24, tree_sizes=(8,),
+            topk_rows=(2,), draft_vocab=300, target=TINY, prompt_len=8, new_tokens=8, tree=(2, 3, 6),
             big_target=dict(TINY, num_hidden_layers=2), train_target=TINY, seq_len=32, batches=(1, 2), train_steps=1,
             fsdp_target=TINY, fsdp_seq_len=16,
         )  # fmt: skip
     return Plan(
-        heads=(32, 8, 128), prefix=2048, tree_sizes=(64,) if quick else (16, 32, 64),
-        topk_rows=(1, 8), vocab=128256, draft_vocab=32000, target=SMOLLM2_135M,
+        shape=cases.LLAMA_8B, prefix=2048, tree_sizes=(64,) if quick else (16, 32, 64),
+        topk_rows=(1, 8), draft_vocab=cases.DRAFT_VOCAB, target=SMOLLM2_135M,
         prompt_len=32, new_tokens=64 if quick else 128, tree=(4, 5, 16),
-        big_target=dict(LLAMA31_8B, num_hidden_layers=4), train_target=LLAMA31_8B,
+        big_target=LLAMA31_8B_CUT, train_target=LLAMA31_8B_CUT,
         seq_len=2048, batches=(1, 8), train_steps=1 if quick else 2,
         fsdp_target=SMOLLM2_135M, fsdp_seq_len=512,
     )  # fmt: skip
@@ -233,34 +235,12 @@ class Context:
     def bandwidth(self) -> float:
         """Device copy bandwidth, bytes/s (read + write), measured once."""
         if self._bandwidth is None:
-            if self.cuda:
-                self._bandwidth = repo_module("benchmarks/kernel_bench.py").copy_bandwidth(
-                    self.device
-                )
-            else:
-                src = torch.empty(2**25, dtype=torch.uint8)
-                dst = torch.empty_like(src)
-                self._bandwidth = 2 * src.nbytes / (time_ms(lambda: dst.copy_(src), self) * 1e-3)
+            self._bandwidth = cases.copy_bandwidth(self.device)
         return self._bandwidth
 
     def sync(self) -> None:
         if self.cuda:
             torch.cuda.synchronize(self.device)
-
-
-def repo_module(path: str) -> ModuleType:
-    """A module of this checkout by its path (`benchmarks/kernel_bench.py`), imported once.
-
-    By path, not as `tests.x`: neither folder is a package, and a `tests` package
-    installed in site-packages would win over a namespace one.
-    """
-    name = "_gpu_check_" + path.replace("/", "_").removesuffix(".py")
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
 
 
 def time_ms(fn: Callable[[], object], ctx: Context) -> float:
@@ -315,11 +295,6 @@ class KernelCase:
     tol: float
 
 
-def poisoned(*like: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Outputs pre-filled with NaN / -7777, so an element the kernel skips shows up."""
-    return tuple(torch.full_like(t, float("nan") if t.is_floating_point() else -7777) for t in like)
-
-
 def max_error(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...]) -> float:
     """Largest |got - want| over all outputs; NaN (an unwritten element) counts as inf."""
     worst = 0.0
@@ -329,149 +304,49 @@ def max_error(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...]) -> 
     return worst
 
 
-def exact_case(
-    name: str, shape: str, triton_fn: Callable, reference_fn: Callable, inputs: tuple, nbytes: int
+def checked(
+    case: cases.Case, tol: float = 0.0, error: Callable[[], float] | None = None
 ) -> KernelCase:
-    """A kernel whose outputs must equal its reference's exactly, checked into poisoned
-    outputs (a slot the kernel forgets keeps its poison)."""
+    """A case of `eagletools.kernels.cases` with its check: by default the kernel writes
+    into poisoned outputs (a slot it forgets keeps its poison) and must match its
+    reference within `tol`."""
+    triton_fn, reference_fn = cases.triton_and_reference(case.kernel)
+    args = case.args
+
+    def poisoned_error() -> float:
+        want = reference_fn(*args)
+        if isinstance(want, torch.Tensor):  # tree attention: one output
+            return max_error((triton_fn(*args, out=cases.poisoned(want)[0]),), (want,))
+        return max_error(triton_fn(*args, out=cases.poisoned(*want)), want)
+
     return KernelCase(
-        name, shape, lambda: triton_fn(*inputs), lambda: reference_fn(*inputs),
-        lambda: max_error(triton_fn(*inputs, out=poisoned(*reference_fn(*inputs))),
-                          reference_fn(*inputs)),
-        nbytes, 0.0,
+        case.kernel, case.shape, lambda: triton_fn(*args), lambda: reference_fn(*args),
+        error or poisoned_error, case.bytes_moved, tol,
     )  # fmt: skip
 
 
 def kernel_cases(ctx: Context) -> list[KernelCase]:
-    """Every kernel on fresh inputs of the plan's sizes, made by the kernel tests' makers."""
-    tk = repo_module("tests/test_kernels.py")
+    """Every kernel at the plan's sizes, from the cases the kernel tests draw too."""
+    p, dev, shape = ctx.plan, ctx.device, ctx.plan.shape
+    attention = [cases.attention_case(1, n, p.prefix, dev, shape) for n in p.tree_sizes]
+    # as a CUDA graph replays it: the prefix length read on the device
+    q, k, v, prefix, mask, scale = attention[-1].args
+    on_device = (q, k, v, torch.tensor(prefix, device=dev), mask, scale)
+    attention.append(replace(attention[-1], shape=attention[-1].shape + " (device tensor)",
+                             args=on_device))  # fmt: skip
+    k_top, accepted = (8, 8) if ctx.cuda else (4, 3)
+    topk = [cases.topk_case(m, k_top, dev, p.draft_vocab, shape.vocab) for m in p.topk_rows]
+    compact = cases.compact_case(1, accepted, max(p.tree_sizes), p.prefix, dev, shape)
     return [
-        *_attention_cases(ctx, tk),
-        *_greedy_cases(ctx, tk),
-        *_topk_cases(ctx, tk),
-        _compact_case(ctx, tk),
-        *_sampling_cases(ctx, tk),
+        *(checked(c, 2e-2) for c in attention),  # bf16
+        *(checked(cases.greedy_case(1, n, shape.vocab, dev)) for n in p.tree_sizes),
+        *(checked(c, 1e-4, partial(topk_error, c.args)) for c in topk),
+        checked(compact, error=partial(compact_error, *compact.args)),
+        *(checked(cases.sampling_case(1, n, shape.vocab, dev)) for n in p.tree_sizes),
     ]
 
 
-def _attention_cases(ctx: Context, tk: Any) -> list[KernelCase]:
-    """Tree attention over a prefix, bf16 as the decoder runs it."""
-    from eagletools.kernels import attention
-
-    p, dev = ctx.plan, ctx.device
-    hq, hkv, d = p.heads
-    bf16 = torch.bfloat16
-    ancestor_mask, generator, random_tree = tk.ancestor_mask, tk.generator, tk.random_tree
-    cases = []
-    for n in p.tree_sizes:
-        gen = generator("gpu_check attention", n)
-        s_max = p.prefix + n + 64
-        q = torch.randn(1, n, hq, d, generator=gen).to(bf16).transpose(1, 2).to(dev)  # as made
-        k = torch.randn(1, hkv, s_max, d, generator=gen).to(bf16).to(dev)
-        v = torch.randn(1, hkv, s_max, d, generator=gen).to(bf16).to(dev)
-        k[:, :, p.prefix + n :] = float("nan")  # never read: NaN here would leak into the output
-        v[:, :, p.prefix + n :] = float("nan")
-        mask = ancestor_mask(random_tree(1, n, gen)[0]).to(dev)
-        kv_read = 2 * hkv * (p.prefix + n) * d * k.element_size()
-        prefixes = [p.prefix]
-        if n == max(p.tree_sizes):  # as a CUDA graph replays it: the length read on the device
-            prefixes.append(torch.tensor(p.prefix, device=dev))
-        for prefix in prefixes:
-            args = (q, k, v, prefix, mask, d**-0.5)
-            where = " (device tensor)" if isinstance(prefix, torch.Tensor) else ""
-            cases.append(KernelCase(
-                "tree_attention",
-                f"B=1 Hq={hq} Hkv={hkv} D={d} prefix={p.prefix}{where} N={n} bf16",
-                lambda a=args: attention.tree_attention_triton(*a),
-                lambda a=args: attention.tree_attention_reference(*a),
-                lambda a=args: max_error(
-                    (attention.tree_attention_triton(*a, out=poisoned(a[0])[0]),),
-                    (attention.tree_attention_reference(*a),)),
-                kv_read + 2 * q.nbytes + mask.nbytes, 2e-2,
-            ))  # fmt: skip
-    return cases
-
-
-def _greedy_cases(ctx: Context, tk: Any) -> list[KernelCase]:
-    """Greedy verification: trees whose paths get long."""
-    from eagletools.kernels import greedy_verify
-
-    p, dev, generator = ctx.plan, ctx.device, tk.generator
-    cases = []
-    for n in p.tree_sizes:
-        inputs = tuple(t.to(dev) for t in tk.greedy_inputs(1, n, p.vocab, generator("greedy", n)))
-        cases.append(exact_case(
-            "verify_greedy", f"B=1 N={n}", greedy_verify.verify_greedy_triton,
-            greedy_verify.verify_greedy_reference, inputs, 4 * inputs[0].nbytes + 16,
-        ))  # fmt: skip
-    return cases
-
-
-def _topk_cases(ctx: Context, tk: Any) -> list[KernelCase]:
-    """The draft's top-k with the draft -> target id map."""
-    from eagletools.kernels import draft_topk
-    from eagletools.vocab import DraftVocab
-
-    p, dev = ctx.plan, ctx.device
-    cases = []
-    gen = tk.generator("topk")
-    vocab = DraftVocab.from_selected(torch.randperm(p.vocab, generator=gen)[: p.draft_vocab],
-                                     p.vocab)  # fmt: skip
-    d2t, selected = vocab.d2t.to(dev), vocab.selected.to(dev)
-    for m in p.topk_rows:
-        k_top = 8 if ctx.cuda else 4
-        logits = torch.randn(m, p.draft_vocab, generator=gen).to(torch.bfloat16).to(dev)
-        args = (logits, d2t, k_top)
-        cases.append(KernelCase(
-            "topk_d2t", f"M={m} Vd={p.draft_vocab} k={k_top} bf16",
-            lambda a=args: draft_topk.topk_d2t_triton(*a),
-            lambda a=args: draft_topk.topk_d2t_reference(*a),
-            lambda a=args: topk_error(a, selected),
-            logits.nbytes + m * k_top * 12, 1e-4,
-        ))  # fmt: skip
-    return cases
-
-
-def _compact_case(ctx: Context, tk: Any) -> KernelCase:
-    """Compact an accepted path's K/V into place."""
-    from eagletools.kernels import kv_compact
-
-    p, dev = ctx.plan, ctx.device
-    _, hkv, d = p.heads
-    tree, accepted = max(p.tree_sizes), 8 if ctx.cuda else 3
-    gen = tk.generator("compact")
-    kc = torch.randn(1, hkv, p.prefix + tree + 16, d, generator=gen).to(torch.bfloat16).to(dev)
-    vc = torch.randn_like(kc)
-    src = (p.prefix + torch.randperm(tree, generator=gen)[:accepted].sort().values)[None].to(dev)
-    return KernelCase(
-        "compact_kv", f"one layer, Hkv={hkv} D={d}: {accepted} of {tree} nodes to {p.prefix}",
-        lambda: kv_compact.compact_kv_triton(kc, vc, src, p.prefix),
-        lambda: kv_compact.compact_kv_reference(kc, vc, src, p.prefix),
-        lambda: compact_error(kc, vc, src, p.prefix),
-        2 * 2 * hkv * accepted * d * kc.element_size() + src.nbytes, 0.0,
-    )  # fmt: skip
-
-
-def _sampling_cases(ctx: Context, tk: Any) -> list[KernelCase]:
-    """Lossless sampling over the full target vocab."""
-    from eagletools.kernels import sampling_verify
-
-    p, dev, generator = ctx.plan, ctx.device, tk.generator
-    cases = []
-    for n in p.tree_sizes:
-        inputs = tuple(
-            t.to(dev) for t in tk.sampling_inputs(1, n, p.vocab, generator("sampling", n))
-        )
-        walked = int(sampling_verify.verify_sampling_reference(*inputs)[1].sum()) + 1
-        cases.append(exact_case(
-            "verify_sampling", f"B=1 N={n} V={p.vocab} fp32 ({walked} rows walked)",
-            sampling_verify.verify_sampling_triton, sampling_verify.verify_sampling_reference,
-            inputs, walked * p.vocab * 4,
-        ))  # fmt: skip
-    return cases
-
-
-def topk_error(args: tuple, selected: torch.Tensor) -> float:
+def topk_error(args: tuple) -> float:
     """Log-prob error, or inf when the kernel's ids do not pick logits equal to the reference's.
 
     Random bf16 logits tie often, and tied entries may come in either order, so
@@ -479,9 +354,10 @@ def topk_error(args: tuple, selected: torch.Tensor) -> float:
     """
     from eagletools.kernels import draft_topk
 
-    logits = args[0]
+    logits, d2t, _ = args
+    selected = torch.arange(len(d2t), device=d2t.device) + d2t  # the draft's target ids
     want = draft_topk.topk_d2t_reference(*args)
-    got = draft_topk.topk_d2t_triton(*args, out=poisoned(*want))
+    got = draft_topk.topk_d2t_triton(*args, out=cases.poisoned(*want))
     err = max_error(got[:1], want[:1])
     picked = []
     for ids in (got[1], want[1]):
@@ -543,14 +419,6 @@ def random_target(fields: dict, device: torch.device, dtype: torch.dtype, seed: 
     return model.to(dtype).eval()
 
 
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    """Index of the first differing token, None when the lists are equal."""
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
 def section_decode(ctx: Context, report: Report) -> None:
     """The decoders' speed and equality, then the 8B-shaped forward, each on its own."""
     report.columns("run", "dtype", "tokens", "tok/s", "ms/step", "tau", "same as plain",
@@ -574,6 +442,7 @@ def decoder_speed(ctx: Context, report: Report) -> None:
     """Plain and speculative decoding in bf16 and fp32, one prompt, greedy."""
     from eagletools.decode import BaselineDecoder, SpeculativeDecoder, Transformer
     from eagletools.draft import Eagle3Draft
+    from eagletools.eval.measure import first_difference
     from eagletools.kernels import use_triton
     from eagletools.vocab import DraftVocab
 
@@ -604,14 +473,14 @@ def decoder_speed(ctx: Context, report: Report) -> None:
             decoder.generate(prompt, max_new_tokens=min(16, p.new_tokens))  # allocate, capture
             decoder.reset()
             results[label] = r = decoder.generate(prompt, max_new_tokens=p.new_tokens)
-            diff = first_difference(r.tokens, results["plain"].tokens)
+            diff = first_difference([r.tokens], [results["plain"].tokens])  # one turn
             same = None if label == "plain" else diff is None
             report.row(**{
                 "run": f"{name} {label}", "dtype": str(dtype).removeprefix("torch."),
                 "tokens": len(r.tokens), "tok/s": r.tokens_per_s,
                 "ms/step": 1e3 * r.seconds / (r.steps + 1), "tau": r.tau, "same as plain": same,
                 "note": f"{kernel_kind} kernels{how}" + ("" if diff is None
-                                                         else f"; first difference at token {diff}"),
+                                                         else f"; first difference at token {diff[1]}"),
             })  # fmt: skip
         del runtime, decoders
 
@@ -621,7 +490,6 @@ def big_forward(ctx: Context, report: Report) -> None:
     tree verify (N tokens), prefix 2048; weight bytes read per forward over its time."""
     from eagletools.decode import Transformer
 
-    tk = repo_module("tests/test_kernels.py")
     p, dev = ctx.plan, ctx.device
     hf = random_target(p.big_target, dev, torch.bfloat16)
     runtime = Transformer.from_hf(hf, dtype=torch.bfloat16)
@@ -633,8 +501,8 @@ def big_forward(ctx: Context, report: Report) -> None:
     for n in (1, max(p.tree_sizes)):
         ids = torch.randint(0, p.big_target["vocab_size"], (1, n), device=dev)
         positions = torch.arange(p.prefix, p.prefix + n, device=dev)
-        tree = tk.random_tree(1, n, tk.generator("big", n))[0]
-        mask = None if n == 1 else tk.ancestor_mask(tree).to(dev)
+        tree = cases.random_tree(1, n, cases.generator("big", n))[0]
+        mask = None if n == 1 else cases.ancestor_mask(tree).to(dev)
         ms = time_ms(lambda i=ids, pos=positions, m=mask: runtime(i, pos, p.prefix, m), ctx)
         achieved = weights / (ms * 1e-3)
         report.row(**{
@@ -645,6 +513,81 @@ def big_forward(ctx: Context, report: Report) -> None:
 
 
 # -- 4. training ------------------------------------------------------------------------
+
+
+def recipe_trainer(target: Any, batch: int, ctx: Context, out: Path) -> Any:
+    """The `Trainer` that `eagletools train recipes/llama3.1-8b.yaml` builds (its optimizer,
+    clip, precision and unroll), here at `batch` rows of the plan's length, on random
+    tokens: what a GPU run of the recipe would step through, the target in the loop."""
+    import datasets
+
+    from eagletools.train.inputs import online_inputs
+    from eagletools.train.recipe import load_config
+    from eagletools.train.trainer import Trainer
+
+    p, vocab = ctx.plan, target.info.vocab_size
+    config = load_config(ROOT / "recipes" / "llama3.1-8b.yaml", [
+        f"data.max_length={p.seq_len}", "data.eval_samples=1", "tracking.report_to=none",
+        f"vocab.draft_vocab_size={min(p.draft_vocab, vocab)}", f"training.batch_size={batch}",
+        "training.grad_accum=1", "training.max_steps=1000",
+    ])  # fmt: skip
+    rows = batch * (p.train_steps + 1) + 1  # every step on new rows, one held out
+    ids = torch.randint(0, vocab, (rows, p.seq_len), generator=torch.Generator().manual_seed(0))
+    data = datasets.Dataset.from_dict({"input_ids": ids.tolist(),
+                                       "loss_mask": [[1] * p.seq_len] * rows})  # fmt: skip
+    return Trainer(config, out, online_inputs(config, target, data))
+
+
+def timed_steps(trainer: Any, batch: int, ctx: Context) -> dict[str, Any]:
+    """A warm-up step (optimizer state, autotuning), then the plan's timed steps."""
+    p, dev = ctx.plan, ctx.device
+    if ctx.cuda:
+        torch.cuda.reset_peak_memory_stats(dev)
+    trainer.train_step()
+    ctx.sync()
+    start = time.perf_counter()
+    for _ in range(p.train_steps):
+        metrics = trainer.train_step()
+    ctx.sync()
+    seconds = (time.perf_counter() - start) / p.train_steps
+    peak = torch.cuda.max_memory_allocated(dev) / 2**30 if ctx.cuda else None
+    return {"tok/s": batch * p.seq_len / seconds, "ms/step": 1e3 * seconds,
+            "peak GiB": peak, "loss": metrics["loss"]}  # fmt: skip
+
+
+def section_train(ctx: Context, report: Report) -> None:
+    from eagletools.targets import Target, TargetInfo
+
+    report.columns("draft", "batch", "seq", "steps", "tok/s", "ms/step", "peak GiB", "loss",
+                   "note")  # fmt: skip
+    p, dev = ctx.plan, ctx.device
+    hf = random_target(p.train_target, dev, torch.bfloat16)
+    target = Target(hf, None, TargetInfo.from_config(hf.config, "random"))
+    note = f"target in the loop: {hf.config.num_hidden_layers} layers"
+    for batch in p.batches:
+        row = dict(batch=batch, seq=p.seq_len, steps=p.train_steps, note=note)
+        if ctx.time_left() < 20:
+            report.row(**row | {"note": "skipped: out of time"})
+            continue
+        try:
+            with tempfile.TemporaryDirectory() as out:
+                trainer = recipe_trainer(target, batch, ctx, Path(out))
+                cfg, params = trainer.draft.config, trainer.draft.parameters()
+                trained = sum(q.numel() for q in params if q.requires_grad) / 1e6
+                row["draft"] = (
+                    f"H={cfg.hidden_size} Vd={cfg.draft_vocab_size} ({trained:.3g}M trained)"
+                )
+                row.update(timed_steps(trainer, batch, ctx))
+        except torch.OutOfMemoryError as exc:
+            row.update(note=f"out of memory: {str(exc)[:200]}")
+        finally:
+            trainer = None
+            if ctx.cuda:
+                torch.cuda.empty_cache()
+        report.row(**row)
+
+
+# -- 5. FSDP checkpoint -----------------------------------------------------------------
 
 
 def draft_config(target: dict, draft_vocab: int):
@@ -696,67 +639,6 @@ def ttt_batch(draft, batch: int, seq: int, device: torch.device, seed: int) -> t
     return ids, aux, mask, probs, picks + draft.d2t[picks]
 
 
-def train_step(model, optimizer, inputs: tuple, device: torch.device) -> torch.Tensor:
-    """As the trainer's step: bf16 autocast forward, backward, clip, AdamW."""
-    with torch.autocast(device.type, dtype=torch.bfloat16):
-        loss, _ = model(*inputs)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return loss.detach()
-
-
-def section_train(ctx: Context, report: Report) -> None:
-    from eagletools.train.ttt import TTTModel
-
-    report.columns("draft", "batch", "seq", "steps", "tok/s", "ms/step", "peak GiB", "loss",
-                   "note")  # fmt: skip
-    p, dev = ctx.plan, ctx.device
-    config = draft_config(p.train_target, p.draft_vocab)
-    draft = random_draft(config, dev)
-    model = TTTModel(draft, steps=7, decay=0.8, chunk=512)
-    params = [q for q in draft.parameters() if q.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-4, fused=ctx.cuda)
-    trained = sum(q.numel() for q in params) / 1e6
-    name = f"H={config.hidden_size} Vd={config.draft_vocab_size} ({trained:.3g}M trained)"
-    for batch in p.batches:
-        if ctx.time_left() < 20:
-            report.row(draft=name, batch=batch, note="skipped: out of time")
-            continue
-        row = dict(draft=name, batch=batch, seq=p.seq_len, steps=p.train_steps)
-        try:
-            inputs = ttt_batch(draft, batch, p.seq_len, dev, seed=batch)
-            if ctx.cuda:
-                torch.cuda.reset_peak_memory_stats(dev)
-            train_step(model, optimizer, inputs, dev)  # warm-up: optimizer state, autotuning
-            ctx.sync()
-            start = time.perf_counter()
-            for _ in range(p.train_steps):
-                loss = train_step(model, optimizer, inputs, dev)
-            ctx.sync()
-            seconds = (time.perf_counter() - start) / p.train_steps
-            peak = torch.cuda.max_memory_allocated(dev) / 2**30 if ctx.cuda else None
-            row.update({"tok/s": batch * p.seq_len / seconds, "ms/step": 1e3 * seconds,
-                        "peak GiB": peak, "loss": float(loss)})  # fmt: skip
-        except torch.OutOfMemoryError as exc:
-            row.update(note=f"out of memory: {str(exc)[:200]}")
-        finally:
-            inputs = None
-            if ctx.cuda:
-                torch.cuda.empty_cache()
-        report.row(**row)
-
-
-# -- 5. FSDP checkpoint -----------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def same_state(a: Any, b: Any) -> bool:
     """Nested dicts/lists of tensors and numbers, equal exactly."""
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
@@ -775,6 +657,7 @@ def section_fsdp(ctx: Context, report: Report) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    from eagletools.engines.server import free_port
     from eagletools.train import checkpoint as ckpt
     from eagletools.train.ttt import TTTModel
 
@@ -802,8 +685,14 @@ def section_fsdp(ctx: Context, report: Report) -> None:
             return model, torch.optim.AdamW(params, lr=1e-3)
 
         def step(model, optimizer, seed: int) -> float:
-            return float(train_step(model, optimizer, ttt_batch(model.draft, 2, p.fsdp_seq_len,
-                                                                 dev, seed), dev))  # fmt: skip
+            """A plain step: what is checked is the checkpoint's round trip, and the
+            trainer's own step runs under FSDP only in a launched process group."""
+            with torch.autocast(dev.type, dtype=torch.bfloat16):
+                loss, _ = model(*ttt_batch(model.draft, 2, p.fsdp_seq_len, dev, seed))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return float(loss)
 
         model, optimizer = sharded(scramble=False)
         report.row(check="parameters are FSDP2 DTensors",

@@ -18,7 +18,7 @@ import torch
 from compare import add_run_args, first_turns, run_settings  # benchmarks/, beside this script
 
 from eagletools.decode import Sampling
-from eagletools.eval.runner import load_decoders
+from eagletools.decode.session import load_decoders
 
 
 def main() -> None:

@@ -324,6 +324,8 @@ def fsdp_env() -> dict[str, str]:
 
 
 def train_command(s: Settings, root: Path, work: Path) -> list[str]:
+    from eagletools.engines.server import free_port
+
     torchrun = Path(sys.executable).parent / "torchrun"
     overrides = [
         f"target.spec={work / 'target'}", "target.dtype=bf16", f"target.aux_layer_ids=[{AUX_IDS}]", f"data.train={root / 'train.jsonl'}",
@@ -334,7 +336,7 @@ def train_command(s: Settings, root: Path, work: Path) -> list[str]:
         f"draft.intermediate_size={s.draft_mlp or 'null'}",
     ]  # fmt: skip
     return [str(torchrun), "--nproc_per_node", str(s.processes), "--master_port",
-            str(_free_port()), __file__, "--preset", s.preset, "--fsdp-worker", "train", *overrides,
+            str(free_port()), __file__, "--preset", s.preset, "--fsdp-worker", "train", *overrides,
             "--output-dir", str(work / "train")]  # fmt: skip
 
 
@@ -399,14 +401,6 @@ def table(rows: list[Row]) -> str:
         lines.append(f"| {r.model} | {r.stage} | {r.peak / GIB:.2f} | {r.estimate / GIB:.2f} | "
                      f"{r.ratio:.2f} | {r.seconds:.0f} | {r.note} |")  # fmt: skip
     return "\n".join(lines)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def fsdp_worker(argv: list[str]) -> None:

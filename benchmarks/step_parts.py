@@ -18,8 +18,8 @@ import time
 from collections import defaultdict
 
 from eagletools.data.chat import chat_ids
-from eagletools.eval.benchmarks import load_benchmark
-from eagletools.eval.runner import Settings, load_decoders
+from eagletools.decode.session import Decoders, Settings, load_decoders
+from eagletools.eval.questions import load_benchmark
 
 
 def timed(record: list[float], fn):
@@ -30,6 +30,42 @@ def timed(record: list[float], fn):
         return out
 
     return call
+
+
+def instrument(d: Decoders) -> dict[str, list[float]]:
+    """Wrap each part in a timer, before the first call, so a compiled step never sees a
+    change; returns each part's record of seconds per call."""
+    base, spec = d.baseline, d.speculative
+    times: dict[str, list[float]] = defaultdict(list)
+    for name, decoder in (("baseline", base), ("speculative", spec)):
+        decoder.session.prefill = timed(
+            times[f"{name}: target prefill (per prompt)"], decoder.session.prefill
+        )
+    spec._refresh = timed(times["speculative: draft prefill (per prompt)"], spec._refresh)
+    base.forward = timed(times["baseline: forward"], base.forward)
+    spec.device_step = timed(times["speculative: graph"], spec.device_step)
+    cache = d.runtime.kv_cache
+    cache.compact = timed(times["speculative: KV compaction"], cache.compact)
+    spec._step = timed(times["speculative: step"], spec._step)
+    return times
+
+
+def parts_table(times: dict[str, list[float]], steps: int, tau: float, shape: str) -> float:
+    """Print each part's median ms beside the baseline's forward; returns that forward's ms."""
+    # a step without a slot to move skips the compaction: its mean over every step
+    compaction = times.pop("speculative: KV compaction")
+    median_ms = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+    step = median_ms.pop("speculative: step")
+    median_ms["speculative: KV compaction (mean)"] = 1e3 * sum(compaction) / steps
+    median_ms["speculative: rest of the step (host read)"] = (
+        step - median_ms["speculative: graph"] - median_ms["speculative: KV compaction (mean)"]
+    )
+    forward = median_ms["baseline: forward"]
+    print(f"{shape}, tau {tau:.2f}\n")
+    print("| part | ms (median) | vs the baseline's forward |\n|---|---|---|")
+    for name, ms in median_ms.items():
+        print(f"| {name} | {ms:.2f} | {ms / forward:.3f}x |")
+    return forward
 
 
 def main() -> None:
@@ -57,18 +93,7 @@ def main() -> None:
         for q in load_benchmark("mt-bench", args.num_prompts, max_turns=1)
     ]
     d.runtime.reserve(max(map(len, prompts)) + args.max_new_tokens + args.num_draft_tokens + 1)
-    # wrapped before the first call, so the compiled step never sees a change
-    times: dict[str, list[float]] = defaultdict(list)
-    for name, decoder in (("baseline", base), ("speculative", spec)):
-        decoder.session.prefill = timed(
-            times[f"{name}: target prefill (per prompt)"], decoder.session.prefill
-        )
-    spec._refresh = timed(times["speculative: draft prefill (per prompt)"], spec._refresh)
-    base.forward = timed(times["baseline: forward"], base.forward)
-    spec.device_step = timed(times["speculative: graph"], spec.device_step)
-    cache = d.runtime.kv_cache
-    cache.compact = timed(times["speculative: KV compaction"], cache.compact)
-    spec._step = timed(times["speculative: step"], spec._step)
+    times = instrument(d)
     for decoder in (base, spec):  # compile and allocate outside the timing
         decoder.generate(prompts[0], 8)
         decoder.reset()
@@ -85,25 +110,14 @@ def main() -> None:
             steps[name] += r.steps
             totals[name + " tokens"] += len(r.tokens)
 
-    # a step without a slot to move skips the compaction: its mean over every step
-    compaction = times.pop("speculative: KV compaction")
-    median_ms = {k: 1e3 * statistics.median(v) for k, v in times.items()}
-    step = median_ms.pop("speculative: step")
-    median_ms["speculative: KV compaction (mean)"] = 1e3 * sum(compaction) / steps["speculative"]
-    median_ms["speculative: rest of the step (host read)"] = (
-        step - median_ms["speculative: graph"] - median_ms["speculative: KV compaction (mean)"]
-    )
-    forward = median_ms["baseline: forward"]
-    tau = totals["speculative tokens"] / steps["speculative"]
-    print(f"{args.topk}/{args.depth}/{args.num_draft_tokens}, tau {tau:.2f}\n")
-    print("| part | ms (median) | vs the baseline's forward |\n|---|---|---|")
-    for name, ms in median_ms.items():
-        print(f"| {name} | {ms:.2f} | {ms / forward:.3f}x |")
     prefill = {
         name: sum(times[f"{name}: target prefill (per prompt)"])
         for name in ("baseline", "speculative")
     }
     prefill["speculative"] += sum(times["speculative: draft prefill (per prompt)"])
+    tau = totals["speculative tokens"] / steps["speculative"]
+    shape = f"{args.topk}/{args.depth}/{args.num_draft_tokens}"
+    parts_table(times, steps["speculative"], tau, shape)
     speed = {}
     print("\n| decoder | tokens/s | tokens/s after prefill | ms per step after prefill |")
     print("|---|---|---|---|")

@@ -3,14 +3,7 @@
 from __future__ import annotations
 
 import os
-import socket
 import time
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def gloo_threads(grace_s: float = 5.0) -> list[str]:

@@ -1,10 +1,7 @@
 """The kernels' PyTorch references against literal, loop-by-loop readings of their
-spec; the random tree inputs every kernel test draws (also test_kernels_triton.py)."""
+spec, on the inputs every kernel test and benchmark draws (eagletools.kernels.cases)."""
 
 from __future__ import annotations
-
-import math
-import zlib
 
 import pytest
 import torch
@@ -21,59 +18,13 @@ from eagletools.kernels import (
     verify_sampling,
     verify_sampling_reference,
 )
-
-
-def generator(*key) -> torch.Generator:
-    """A generator seeded by the test's name and shape: each test draws its own inputs."""
-    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
-
-
-def random_tree(batch: int, n: int, gen: torch.Generator) -> torch.Tensor:
-    """`parents [B,N]`: root -1, every other node a random earlier parent."""
-    parents = torch.empty(batch, n, dtype=torch.long)
-    parents[:, 0] = -1
-    for j in range(1, n):
-        parents[:, j] = torch.randint(0, j, (batch,), generator=gen)
-    return parents
-
-
-def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
-    """`[N,N]` ancestor-or-self mask of one tree."""
-    n = len(parents)
-    mask = torch.eye(n, dtype=torch.bool)
-    for j in range(1, n):
-        mask[j] |= mask[parents[j]]
-    return mask
-
-
-def greedy_inputs(batch: int, n: int, vocab: int, gen: torch.Generator):
-    """Trees whose argmax often picks one of a node's children, so paths get long."""
-    parents = random_tree(batch, n, gen)
-    tokens = torch.randint(0, vocab, (batch, n), generator=gen)
-    target_argmax = torch.randint(0, vocab, (batch, n), generator=gen)
-    follow = torch.rand(batch, n, generator=gen) < 0.8
-    for b in range(batch):
-        for j in range(n):
-            kids = (parents[b] == j).nonzero().flatten()
-            if len(kids) and follow[b, j]:
-                pick = kids[torch.randint(0, len(kids), (1,), generator=gen)]
-                target_argmax[b, j] = tokens[b, pick]
-    return tokens, parents, target_argmax
-
-
-def sampling_inputs(batch: int, n: int, vocab: int, gen: torch.Generator, dtype=torch.float32):
-    """Peaked target distributions where drafted children carry most of the mass."""
-    tokens, parents, _ = greedy_inputs(batch, n, vocab, gen)
-    logits = torch.randn(batch, n, vocab, generator=gen) * 2
-    for j in range(n):
-        kids = parents == j
-        boost = torch.zeros(batch, vocab).scatter_add_(
-            1, tokens, kids.float() * (2 + math.log(vocab))
-        )
-        logits[:, j] += boost
-    probs = logits.softmax(-1).to(dtype)
-    uniforms = torch.rand(batch, n + 1, generator=gen)
-    return tokens, parents, probs, uniforms
+from eagletools.kernels.cases import (
+    attention_inputs,
+    generator,
+    greedy_inputs,
+    random_d2t,
+    sampling_inputs,
+)
 
 
 def naive_tree_attention(q, k_cache, v_cache, prefix_len, tree_mask, scale):
@@ -95,10 +46,7 @@ def naive_tree_attention(q, k_cache, v_cache, prefix_len, tree_mask, scale):
 @pytest.mark.parametrize("b,hq,hkv,n,prefix,d", [(1, 4, 2, 1, 1, 8), (2, 6, 2, 7, 13, 16)])
 def test_tree_attention_reference_matches_naive(b, hq, hkv, n, prefix, d):
     gen = generator("test_tree_attention_reference_matches_naive", b, hq, hkv, n, prefix, d)
-    q = torch.randn(b, hq, n, d, generator=gen)
-    k = torch.randn(b, hkv, prefix + n + 5, d, generator=gen)
-    v = torch.randn(b, hkv, prefix + n + 5, d, generator=gen)
-    mask = ancestor_mask(random_tree(1, n, gen)[0])
+    q, k, v, mask = attention_inputs(b, hq, hkv, n, prefix, d, torch.float32, gen)
     out = tree_attention_reference(q, k, v, prefix, mask, 0.3)
     torch.testing.assert_close(out, naive_tree_attention(q, k, v, prefix, mask, 0.3).float())
     torch.testing.assert_close(tree_attention(q, k, v, prefix, mask, 0.3), out)
@@ -157,7 +105,7 @@ def test_verify_greedy_takes_the_first_of_duplicate_children():
 def test_topk_d2t_reference():
     gen = generator("test_topk_d2t_reference")
     logits = torch.randn(5, 37, generator=gen)
-    d2t = torch.randint(0, 3, (37,), generator=gen).cumsum(0)
+    d2t = random_d2t(37, 100, gen)
     lp, ids = topk_d2t_reference(logits, d2t, 4)
     want_lp, want = torch.sort(logits.double().log_softmax(-1), dim=-1, descending=True)
     torch.testing.assert_close(lp, want_lp[:, :4].float())

@@ -25,13 +25,6 @@ if DEVICE == "cpu":
 
 import pytest
 import torch
-from test_kernels import (
-    ancestor_mask,
-    generator,
-    greedy_inputs,
-    random_tree,
-    sampling_inputs,
-)
 
 from eagletools.kernels import (
     attention,
@@ -42,13 +35,21 @@ from eagletools.kernels import (
     verify_sampling,
 )
 from eagletools.kernels.attention import tree_attention_reference, tree_attention_triton
+from eagletools.kernels.cases import (
+    attention_inputs,
+    compact_inputs,
+    generator,
+    greedy_inputs,
+    poisoned,
+    random_d2t,
+    sampling_inputs,
+)
 from eagletools.kernels.dispatch import use_triton
 from eagletools.kernels.draft_topk import topk_d2t_reference, topk_d2t_triton
 from eagletools.kernels.greedy_verify import verify_greedy_reference, verify_greedy_triton
 from eagletools.kernels.kv_compact import compact_kv_reference, compact_kv_triton
 from eagletools.kernels.sampling_verify import verify_sampling_reference, verify_sampling_triton
 
-SENTINEL = -7777
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=1e-2, atol=1e-2)}
 
 
@@ -60,12 +61,6 @@ def _interpreter_in_this_process(request):
 
 def on_device(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
     return tuple(None if t is None else t.to(DEVICE) for t in tensors)
-
-
-def poisoned(*like: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    return tuple(
-        torch.full_like(t, float("nan") if t.is_floating_point() else SENTINEL) for t in like
-    )
 
 
 def assert_same_ints(got, want):
@@ -98,15 +93,7 @@ def test_tree_attention_with_each_archs_tiles(arch, monkeypatch):
 
 def check_tree_attention(b, hq, hkv, n, prefix, d, dtype):
     gen = generator("test_tree_attention", b, hq, hkv, n, prefix, d, dtype)
-    # q as the decoder makes it: [B,N,Hq,D] transposed, so not contiguous
-    q = torch.randn(b, n, hq, d, generator=gen).to(dtype).transpose(1, 2)
-    s_max = prefix + n + 9
-    k = torch.randn(b, hkv, s_max, d, generator=gen).to(dtype)
-    v = torch.randn(b, hkv, s_max, d, generator=gen).to(dtype)
-    # slots past the tree are never read: NaN there would leak into the output
-    k[:, :, prefix + n :] = float("nan")
-    v[:, :, prefix + n :] = float("nan")
-    q, k, v, mask = on_device(q, k, v, ancestor_mask(random_tree(1, n, gen)[0]))
+    q, k, v, mask = on_device(*attention_inputs(b, hq, hkv, n, prefix, d, dtype, gen))
     (out,) = poisoned(q)
     got = tree_attention_triton(q, k, v, prefix, mask, d**-0.5, out=out)
     assert got is out
@@ -154,7 +141,7 @@ def distinct_logits(m: int, v: int, dtype, gen: torch.Generator) -> torch.Tensor
 def test_topk_d2t(m, v, k, dtype, with_d2t):
     gen = generator("test_topk_d2t", m, v, k, dtype, with_d2t)
     logits = distinct_logits(m, v, dtype, gen)
-    d2t = torch.randint(0, 4, (v,), generator=gen).cumsum(0) if with_d2t else None
+    d2t = random_d2t(v, 4 * v, gen) if with_d2t else None
     logits, d2t = on_device(logits, d2t)
     want = topk_d2t_reference(logits, d2t, k)
     got = topk_d2t_triton(logits, d2t, k, out=poisoned(*want))
@@ -169,15 +156,6 @@ def test_topk_d2t_breaks_ties_by_lower_id():
     assert ids.tolist() == [[1, 3, 4, 2]]
 
 
-def random_paths(b: int, n: int, slots: int, gen: torch.Generator) -> torch.Tensor:
-    """Increasing source slots per row, as accepted paths are; -1 past each row's length."""
-    src = torch.full((b, n), -1, dtype=torch.long)
-    for i in range(b):
-        length = int(torch.randint(1, n + 1, (1,), generator=gen))
-        src[i, :length] = torch.randperm(slots, generator=gen)[:length].sort().values
-    return src
-
-
 @pytest.mark.parametrize(
     "layers,b,h,d,n,prefix,dtype",
     [
@@ -190,11 +168,8 @@ def random_paths(b: int, n: int, slots: int, gen: torch.Generator) -> torch.Tens
 def test_compact_kv(layers, b, h, d, n, prefix, dtype):
     gen = generator("test_compact_kv", layers, b, h, d, n, prefix, dtype)
     tree = n + 6
-    k = torch.randn(*layers, b, h, prefix + tree + 4, d, generator=gen).to(dtype)
-    v = torch.randn(*layers, b, h, prefix + tree + 4, d, generator=gen).to(dtype)
+    k, v, src = compact_inputs(b, h, d, n, prefix, tree, dtype, gen, layers)
     k[..., prefix + tree :, :] = float("nan")  # untouched slots must stay as they are
-    src = prefix + random_paths(b, n, tree, gen)
-    src[src < prefix] = -1
     k, v, src = on_device(k, v, src)
     want_k, want_v = k.clone(), v.clone()
     compact_kv_reference(want_k, want_v, src, prefix)

@@ -9,7 +9,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from gloo_helpers import free_port
+
+from eagletools.engines.server import free_port
 
 SCRIPT = textwrap.dedent(
     """

@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from gloo_helpers import free_port, fsdp_launch_env
+from gloo_helpers import fsdp_launch_env
+
+from eagletools.engines.server import free_port
 
 SCRIPT = textwrap.dedent(
     """

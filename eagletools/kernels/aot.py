@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from eagletools.kernels import attention, draft_topk, greedy_verify, kv_compact, sampling_verify
+from eagletools.kernels.cases import DRAFT_VOCAB, SHAPES, Shape
 from eagletools.kernels.dispatch import interpreting
 
 # dynamic shared memory a block may opt into, bytes (CUDA programming guide, per arch)
@@ -38,30 +39,6 @@ MAX_GRID = (2**31 - 1, 65_535, 65_535)
 KERNEL_MODULES = (attention, draft_topk, greedy_verify, kv_compact, sampling_verify)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPE_FREE = "-"  # the verifications: int64 trees and fp32 probabilities whatever the model
-
-
-@dataclass(frozen=True)
-class Shape:
-    """A target's widths, and the tree size its decoder verifies."""
-
-    name: str
-    q_heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    layers: int
-    tree_nodes: int
-
-
-# Trees: the decoder's default 16 nodes, and 60 (EAGLE-3's setting) for the 70B, no
-# multiple of 16, which Triton specialises differently (bf16 tiles spilled there on
-# sm_80/120). Shapes alike in every specialisation compile once.
-SHAPES = (
-    Shape("Llama-3.1-8B", 32, 8, 128, 128_256, 32, 16),
-    Shape("Qwen3-8B", 32, 8, 128, 151_936, 36, 16),
-    Shape("Llama-3.1-70B", 64, 8, 128, 128_256, 80, 60),
-)
-DRAFT_VOCAB = 32_000
 TOPK = 4
 CACHE_SLOTS = 65_536  # with every layer stacked, the offsets pass 2^31
 SPLITS = 8
