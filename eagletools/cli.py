@@ -22,6 +22,7 @@ COMMAND_MODULES = (
     "train",
     "convert",
     "inspect",
+    "doctor",
     "generate",
     "eval",
     "pipeline",

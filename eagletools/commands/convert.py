@@ -42,6 +42,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_engine_choice(p, "--for", "refuse a draft ENGINE would compute differently (an option "
                       "it ignores); checks non-default aux ids only with --target")  # fmt: skip
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p.add_argument("--repair", action="store_true", help="fix the faults doctor marks as "
+                   "unambiguous (fields only) and say what changed, instead of refusing")  # fmt: skip
     add_allow_pickle(p)
     p.set_defaults(func=run)
 
@@ -57,9 +59,9 @@ def add_allow_pickle(p: argparse.ArgumentParser) -> None:
 
 def add_engine_choice(p: argparse.ArgumentParser, flag: str, why: str) -> None:
     """The serving-engine option of the commands that check a draft against one."""
-    from eagletools.formats.engines import ENGINES
+    from eagletools.engines import ENGINE_NAMES
 
-    p.add_argument(flag, dest="for_engine", metavar="ENGINE", choices=ENGINES, help=why)
+    p.add_argument(flag, dest="for_engine", metavar="ENGINE", choices=tuple(ENGINE_NAMES), help=why)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -76,5 +78,6 @@ def run(args: argparse.Namespace) -> int:
         force=args.force,
         allow_pickle=args.allow_pickle,
         engine=args.for_engine,
+        repair=args.repair,
     )
     return 0

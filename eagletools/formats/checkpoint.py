@@ -127,11 +127,13 @@ def save_checkpoint(
     target: TargetSummary | None = None,
     overwrite: bool = False,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    extra_files: dict[str, str] | None = None,
 ) -> Path:
     """Check `ckpt`, then write it as `fmt` atomically; nothing is written on any error.
 
     `target` is the target `ckpt` was fitted to, for formats that carry some of
-    it (gguf: its tokenizer).
+    it (gguf: its tokenizer). `extra_files` (name -> text) go into a folder
+    layout in the same atomic write (the training record); a one-file format drops them.
     """
     if fmt not in FORMATS:
         raise UserError(f"format {fmt!r}: choose one of {sorted(FORMATS)}")
@@ -156,6 +158,8 @@ def save_checkpoint(
     module = FORMATS[fmt]
     with atomic_file(path) if module.ONE_FILE else atomic_dir(path, overwrite=overwrite) as tmp:
         module.write(ckpt.config, tensors, tmp, options)
+        for name, text in ({} if module.ONE_FILE else extra_files or {}).items():
+            (tmp / name).write_text(text)
     return path
 
 
