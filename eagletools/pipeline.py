@@ -8,6 +8,8 @@ stage resumes from its last checkpoint. Layout of the run folder:
     eagle/          the draft for SGLang, SpecForge, TensorRT-LLM, EAGLE
     speculators/    the draft for vLLM
     draft.gguf      the draft for llama.cpp (when eval.engines names it)
+    doctor.json     `eagletools doctor` on both drafts, against the target (a draft an
+                    engine would serve wrongly stops the run here)
     eval/<bench>/   results.json, results.md, PNG plots
     engines/<name>/ the first benchmark inside each installed engine of eval.engines,
                     and in ours with the same chain (engines/ours-chain/)
@@ -56,6 +58,8 @@ def _questions(bench: str, n: int) -> list[Question]:
 
 # the draft formats every run writes; an engine's stages add the one it loads
 ALWAYS = ("eagle", "speculators")
+# the engine each of those layouts is written for: doctor reads the draft as it does
+DOCTOR_ENGINES = {"eagle": "sglang", "speculators": "vllm"}
 
 
 def draft_path(out: Path, fmt: str) -> Path:
@@ -102,12 +106,34 @@ def stages(config: TrainConfig, out: Path) -> list[Stage]:
     return [
         Stage("train", train_dir / "metrics.json", train),
         *(Stage(f"convert {fmt}", draft_path(out, fmt), to_format(fmt)) for fmt in ALWAYS),
+        Stage("doctor", out / "doctor.json", lambda: check_drafts(target, out)),
         *(
             Stage(f"eval {b}", out / "eval" / bench_name(b) / "results.json", evaluation(b))
             for b in questions
         ),
         *engine_stages(config, out, questions, device),
     ]
+
+
+def check_drafts(target: str, out: Path) -> None:
+    """`eagletools doctor` on each written draft, statically, as its engine reads it, and
+    run on the target against the training record: no evaluation is spent on a draft an
+    engine would serve wrongly. doctor.json is written only when every draft passes."""
+    from eagletools.doctor import doctor
+    from eagletools.errors import UserError
+    from eagletools.formats.checks import render
+
+    reports = {fmt: doctor(draft_path(out, fmt), target, [engine])
+               for fmt, engine in DOCTOR_ENGINES.items()}  # fmt: skip
+    for report in reports.values():
+        log.info("%s", render(report))
+    failed = [str(draft_path(out, fmt)) for fmt, report in reports.items() if not report["ok"]]
+    if failed:
+        raise UserError(
+            f"doctor: {', '.join(failed)} would be served wrongly (the report above; "
+            f"`eagletools doctor {failed[0]} --target {target}` prints it again)"
+        )
+    write_text(out / "doctor.json", json.dumps(reports, indent=2))
 
 
 def _check_engines_run_the_draft(config: TrainConfig) -> None:
@@ -228,6 +254,7 @@ def summarize(config: TrainConfig, out: Path) -> dict[str, Any]:
         "report": str(out / "report.md"),
     }
     summary["engines"] = _engine_rows(out)
+    summary["doctor"] = _doctor_rows(out)
     for bench in map(bench_name, config.eval.benchmarks):
         path = out / "eval" / bench / "results.json"
         if not path.is_file():  # skipped: its questions could not be had here
@@ -242,6 +269,18 @@ def summarize(config: TrainConfig, out: Path) -> dict[str, Any]:
             "report": str(path.with_name("results.md")),
         }
     return summary
+
+
+def _doctor_rows(out: Path) -> dict[str, dict[str, int]]:
+    """Per draft, the warnings and infos doctor.json holds (a written one has no error)."""
+    path = out / "doctor.json"
+    if not path.is_file():
+        return {}
+    reports = json.loads(path.read_text())
+    return {
+        fmt: {level: sum(f["level"] == level for f in r["findings"]) for level in ("warn", "info")}
+        for fmt, r in reports.items()
+    }
 
 
 def _engine_rows(out: Path) -> list[dict[str, Any]]:

@@ -72,6 +72,10 @@ def test_pipeline_runs_every_stage_then_reuses_them(target_dir, tmp_path, monkey
     assert (out / "eagle" / "config.json").is_file()
     assert json.loads((out / "speculators" / "config.json").read_text())["speculators_model_type"]
     assert (out / "report.md").read_text().startswith("# EAGLE-3 draft for")
+    assert "[doctor](doctor.json): no error" in (out / "report.md").read_text()
+    doctor = json.loads((out / "doctor.json").read_text())  # both drafts, run on the target
+    assert {fmt: r["ok"] for fmt, r in doctor.items()} == {"eagle": True, "speculators": True}
+    assert all(any(f["check"] == "numeric" for f in r["findings"]) for r in doctor.values())
 
     # a second run repeats no finished work
     def fail(*args, **kwargs):
@@ -80,6 +84,7 @@ def test_pipeline_runs_every_stage_then_reuses_them(target_dir, tmp_path, monkey
     monkeypatch.setattr("eagletools.train.trainer.train", fail)
     monkeypatch.setattr("eagletools.formats.convert.convert", fail)
     monkeypatch.setattr("eagletools.eval.runner.run_eval", fail)
+    monkeypatch.setattr("eagletools.doctor.doctor", fail)
     assert main(pipeline_args(target_dir, data, bench, out)) == 0
     assert json.loads((out / "summary.json").read_text()) == summary
 
@@ -182,3 +187,29 @@ def test_a_recipe_without_a_tree_shape_takes_the_tuned_one(target_dir, tmp_path,
     results = json.loads(stage.output.read_text())
     assert asked == [(None, True)]
     assert results["tree"]["source"] == "cache" and results["settings"]["depth"] == 2
+
+
+def test_a_draft_doctor_finds_faulty_stops_the_pipeline_before_evaluation(
+    target_dir, tmp_path, monkeypatch
+):
+    """The doctor stage refuses a draft an engine would serve wrongly (here: a NaN weight
+    seeded after conversion), writes no doctor.json, and no evaluation runs."""
+    from safetensors.torch import load_file, save_file
+
+    from eagletools import pipeline
+
+    data, bench = write_inputs(tmp_path)
+    out = tmp_path / "run"
+    args = pipeline_args(target_dir, data, bench, out)
+    config = load_config(None, [a for a in args[1:] if "=" in a])
+    stages = pipeline.stages(config, out)
+    for stage in stages[:3]:  # train, convert eagle, convert speculators
+        stage.run()
+    weights = out / "speculators" / "model.safetensors"
+    tensors = load_file(weights)
+    tensors["fc.weight"][0, 0] = float("nan")
+    save_file(tensors, weights)
+    doctor_stage = next(s for s in stages if s.name == "doctor")
+    with pytest.raises(UserError, match="speculators would be served wrongly"):
+        doctor_stage.run()
+    assert not (out / "doctor.json").exists()

@@ -313,6 +313,7 @@ def pipeline_markdown(summary: dict[str, Any]) -> str:
             f"simulated acceptance length {_fmt(summary['simulated_acceptance_length'])}",
             "- checkpoints: [eagle](eagle/) (SGLang, SpecForge, TensorRT-LLM), "
             "[speculators](speculators/) (vLLM)",
+            *_doctor_line(summary.get("doctor", {})),
             "",
             *rows,
             "",
@@ -322,6 +323,14 @@ def pipeline_markdown(summary: dict[str, Any]) -> str:
             "",
         ]
     )
+
+
+def _doctor_line(doctor: dict[str, dict[str, int]]) -> list[str]:
+    """report.md's line on `eagletools doctor` (doctor.json): no error, warnings counted."""
+    if not doctor:
+        return []
+    counts = ", ".join(f"{fmt} {c['warn']} warning(s)" for fmt, c in doctor.items())
+    return [f"- [doctor](doctor.json): no error in either draft ({counts})"]
 
 
 def methods_markdown(rows: list[dict], notes: list[str], header: dict, machine: dict) -> str:

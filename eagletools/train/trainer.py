@@ -513,16 +513,22 @@ class Trainer:
         """The deployable draft in the `eagle` format, with d2t/t2d, and the acceptance its
         held-out pass recorded, which `doctor` holds a converted copy against."""
         from eagletools.formats import Checkpoint, save_checkpoint
+        from eagletools.formats.checks import read_draft, static_findings
         from eagletools.formats.record import RECORD, record_from_metrics, record_text
 
         record = record_from_metrics(held_out, self.draft.config.to_dict())
-        save_checkpoint(
+        final = save_checkpoint(
             Checkpoint("eagle", self.draft.config, tensors, str(self.out / "checkpoints")),
             self.out / "final",
             "eagle",
             overwrite=True,
             extra_files={RECORD: record_text(record)} if record else None,
         )
+        errors = [f.line() for f in static_findings(read_draft(final)) if f.level == "error"]
+        if errors:  # doctor's static checks on what a user would deploy (a NaN, a field)
+            raise UserError(
+                f"{final}: the trained draft fails doctor's checks:\n  " + "\n  ".join(errors)
+            )
 
 
 def train(
