@@ -8,8 +8,8 @@ stage resumes from its last checkpoint. Layout of the run folder:
     eagle/          the draft for SGLang, SpecForge, TensorRT-LLM, EAGLE
     speculators/    the draft for vLLM
     draft.gguf      the draft for llama.cpp (when eval.engines names it)
-    doctor.json     `eagletools doctor` on both drafts, against the target (a draft an
-                    engine would serve wrongly stops the run here)
+    doctor.json     `eagletools doctor` on both drafts, against the target and as
+                    eval.engines read them (a draft served wrongly stops the run here)
     eval/<bench>/   results.json, results.md, PNG plots
     engines/<name>/ the first benchmark inside each installed engine of eval.engines,
                     and in ours with the same chain (engines/ours-chain/)
@@ -58,8 +58,6 @@ def _questions(bench: str, n: int) -> list[Question]:
 
 # the draft formats every run writes; an engine's stages add the one it loads
 ALWAYS = ("eagle", "speculators")
-# the engine each of those layouts is written for: doctor reads the draft as it does
-DOCTOR_ENGINES = {"eagle": "sglang", "speculators": "vllm"}
 
 
 def draft_path(out: Path, fmt: str) -> Path:
@@ -106,7 +104,7 @@ def stages(config: TrainConfig, out: Path) -> list[Stage]:
     return [
         Stage("train", train_dir / "metrics.json", train),
         *(Stage(f"convert {fmt}", draft_path(out, fmt), to_format(fmt)) for fmt in ALWAYS),
-        Stage("doctor", out / "doctor.json", lambda: check_drafts(target, out)),
+        Stage("doctor", out / "doctor.json", lambda: check_drafts(config, out)),
         *(
             Stage(f"eval {b}", out / "eval" / bench_name(b) / "results.json", evaluation(b))
             for b in questions
@@ -115,18 +113,22 @@ def stages(config: TrainConfig, out: Path) -> list[Stage]:
     ]
 
 
-def check_drafts(target: str, out: Path) -> None:
-    """`eagletools doctor` on each written draft, statically, as its engine reads it, and
-    run on the target against the training record: no evaluation is spent on a draft an
+def check_drafts(config: TrainConfig, out: Path) -> None:
+    """`eagletools doctor` on each written draft: statically, as each of eval.engines that
+    loads its layout reads it (the engines the user deploys to, installed or not), and run
+    on the target against the training record; no evaluation is spent on a draft an
     engine would serve wrongly. doctor.json is written only when every draft passes."""
     from eagletools.doctor import doctor
+    from eagletools.engines import ENGINES
     from eagletools.errors import UserError
     from eagletools.formats.checks import render
 
-    reports = {fmt: doctor(draft_path(out, fmt), target, [engine])
-               for fmt, engine in DOCTOR_ENGINES.items()}  # fmt: skip
-    for report in reports.values():
-        log.info("%s", render(report))
+    target = config.target.spec
+    reports = {}
+    for fmt in ALWAYS:
+        engines = [e for e in config.eval.engines if fmt in ENGINES[e].draft_formats]
+        reports[fmt] = doctor(draft_path(out, fmt), target, engines)
+        log.info("%s", render(reports[fmt]))
     failed = [str(draft_path(out, fmt)) for fmt, report in reports.items() if not report["ok"]]
     if failed:
         raise UserError(
