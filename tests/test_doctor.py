@@ -182,6 +182,74 @@ def test_engines_read_aux_ids_by_their_own_convention(tmp_path, target_dir):
     assert report["ok"], findings(report)
 
 
+# norm_before_fc against its tensor: with the flag off vLLM drops input_norm.weight and serves
+# the draft without the norm (models/llama_eagle3.py:464), no error; with it on and no
+# tensor, speculators runs a norm of ones
+NBF_FAULTS = {
+    "input_norm without the flag": (
+        None,
+        lambda t: t.update({"input_norm.weight": torch.rand(3 * 64) + 0.5}),
+        "set norm_before_fc: true",
+    ),
+    "the flag without input_norm": (
+        lambda c: c.update(norm_before_fc=True),
+        None,
+        "set norm_before_fc: false",
+    ),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("fault", sorted(NBF_FAULTS))
+def test_norm_before_fc_and_its_tensor_disagreeing_is_caught(clean, tmp_path, layout, fault,
+                                                             capsys):  # fmt: skip
+    edit, tensors, fix = NBF_FAULTS[fault]
+    folder = seeded(clean, tmp_path, layout, config=edit, tensors=tensors)
+    report = doctor(folder)
+    errors = [f for f in findings(report) if f["check"] == "norm_before_fc"]
+    assert any(f["field"] == "norm_before_fc" and fix in f["fix"] for f in errors), errors
+    assert all("input_norm.weight" in f["message"] and "vLLM" in f["message"] for f in errors)
+    assert main(["doctor", str(folder)]) == 1
+    assert "norm_before_fc" in capsys.readouterr().out
+    with pytest.raises(UserError, match=f"norm_before_fc.*{fix}"):  # convert's loader
+        convert(folder, tmp_path / "out", "speculators", repair=True, log=lambda _: None)
+
+
+def test_norm_before_fc_drafts_are_clean_where_it_is_honoured(tmp_path, target_dir):
+    ckpt = make_ckpt(aux_layer_ids=AUX, max_position_embeddings=512, norm_before_residual=True,
+                     norm_before_fc=True)  # fmt: skip
+    for layout in LAYOUTS:
+        save_checkpoint(ckpt, tmp_path / layout, layout)
+        report = doctor(tmp_path / layout, str(target_dir), ["vllm", "llama.cpp", "sglang"], False)
+        [nbf] = [f for f in report["findings"] if f["check"] == "norm_before_fc"]
+        assert nbf["level"] == "ok" and "with input_norm.weight" in nbf["message"]
+        errors = {(f["check"], f["engine"], f["field"]) for f in findings(report)}
+        sglang = {("options", "sglang", "norm_before_residual"),
+                  ("options", "sglang", "norm_before_fc")}  # fmt: skip
+        assert errors == (sglang if layout == "eagle" else {("layout", "sglang", "format")})
+
+
+def test_norm_before_fc_where_tensorrt_llm_misses_it_is_repaired(tmp_path):
+    """An eagle config with the flag top-level only: vLLM and llama.cpp's converter read it,
+    TensorRT-LLM (eagle_config only) does not; --repair writes both places."""
+    ckpt = make_ckpt(aux_layer_ids=AUX, max_position_embeddings=512, norm_before_residual=True,
+                     norm_before_fc=True)  # fmt: skip
+    folder = tmp_path / "e"
+    save_checkpoint(ckpt, folder, "eagle")
+    cfg = json.loads((folder / "config.json").read_text())
+    del cfg["eagle_config"]["norm_before_fc"]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    [error] = [f for f in findings(doctor(folder)) if f["check"] == "norm_before_fc"]
+    assert error["field"] == "eagle_config.norm_before_fc" and "TensorRT-LLM" in error["message"]
+    with pytest.raises(UserError, match="--repair fixes the marked ones"):
+        convert(folder, tmp_path / "out", "eagle", log=lambda _: None)
+    lines = []
+    out = convert(folder, tmp_path / "out", "eagle", repair=True, log=lines.append)
+    assert any("repaired eagle_config.norm_before_fc" in line for line in lines), lines
+    assert json.loads((out / "config.json").read_text())["eagle_config"]["norm_before_fc"] is True
+    assert doctor(out)["ok"]
+
+
 # -- convert never launders ------------------------------------------------------------
 
 REPAIRABLE = ("tie_word_embeddings", "architectures", "dtype", "norm_before_residual removed")

@@ -197,6 +197,34 @@ def test_fc_norm_normalises_each_aux_state_on_its_own():
     assert not torch.allclose(plain.fuse_aux(scaled), plain.fuse_aux(aux), atol=1e-2)
 
 
+def test_norm_before_fc_is_one_norm_over_the_concatenation():
+    """`input_norm` [A*Ht] (vLLM's and speculators' name) RMS-normalises the whole
+    concatenated aux input, then `fc`: as written out by hand."""
+    torch.manual_seed(0)
+    c = small_config(norm_before_fc=True, rms_norm_eps=1e-5)
+    draft = Eagle3Draft(c)
+    extra = set(draft.state_dict()) - set(Eagle3Draft(small_config()).state_dict())
+    assert extra == {"input_norm.weight"} and draft.input_norm.weight.shape == (3 * 48,)
+    with torch.no_grad():
+        draft.input_norm.weight.copy_(torch.rand(3 * 48) + 0.5)
+    aux = torch.randn(2, 5, 3 * 48) * torch.tensor([0.1, 1.0, 1e3]).repeat_interleave(48)
+    rms = aux.pow(2).mean(-1, keepdim=True).add(1e-5).rsqrt()
+    expected = (aux * rms * draft.input_norm.weight) @ draft.fc.weight.T
+    torch.testing.assert_close(draft.fuse_aux(aux), expected, atol=1e-5, rtol=1e-5)
+    # one norm over all states: a state's scale relative to the others survives it
+    scaled = aux.clone()
+    scaled[..., 96:] *= 1e-3  # the massive state brought down to the others' scale
+    plain = Eagle3Draft(small_config())
+    plain.load_state_dict({k: v for k, v in draft.state_dict().items() if k != "input_norm.weight"})
+    assert not torch.allclose(draft.fuse_aux(scaled), draft.fuse_aux(aux), atol=1e-2)
+    assert not torch.allclose(plain.fuse_aux(aux), draft.fuse_aux(aux), atol=1e-2)
+
+
+def test_norm_before_fc_with_fc_norm_is_refused_naming_both():
+    with pytest.raises(UserError, match=r"'norm_before_fc' and 'fc_norm' are both true.*set one"):
+        small_config(norm_before_fc=True, fc_norm=True)
+
+
 def test_norm_output_carries_the_normed_state():
     torch.manual_seed(0)
     h = torch.randn(2, 5, 64) * 30

@@ -43,6 +43,24 @@ def test_eagle31_options_are_refused_where_they_are_ignored():
     assert unsupported(config, "vllm") == []
 
 
+def test_norm_before_fc_is_refused_where_fc_runs_on_the_raw_states():
+    """vLLM, llama.cpp and TensorRT-LLM build `input_norm`; SGLang, sgl-jax and the
+    SafeAILab code run fc on the raw aux states (the table's evidence)."""
+    config = tiny_draft_config(norm_before_fc=True)
+    refused = {e for e in ENGINE_NAMES if unsupported(config, e)}
+    assert refused == {"sglang", "sgl-jax", "eagle"}
+    with pytest.raises(UserError, match=r"norm_before_fc \(recipe field draft\.norm_before_fc\)"):
+        check_engine(config, "sglang", "draft")
+    check_supported(config)  # convert --to gguf writes it (tests/test_gguf.py)
+    with pytest.raises(UserError, match=r"draft\.engines.*draft\.norm_before_fc"):
+        load_config(overrides=["draft.norm_before_fc=true", "draft.engines=[vllm, sgl-jax]"])
+    load_config(overrides=["draft.norm_before_fc=true", "draft.engines=[vllm, llama.cpp]"])
+    with pytest.raises(
+        UserError, match=r"draft\.norm_before_fc cannot be true with draft\.fc_norm"
+    ):
+        load_config(overrides=["draft.norm_before_fc=true", "draft.fc_norm=true"])
+
+
 def test_non_default_aux_ids_need_the_target_layer_count():
     config = tiny_draft_config(aux_layer_ids=[1, 2, 3])
     assert unsupported(config, "sgl-jax") == []  # no target: unknown, not refused

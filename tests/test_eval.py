@@ -205,15 +205,15 @@ def test_compiled_eval_is_lossless_and_says_so(tiny_target, tmp_path):
 
 def test_autotune_picks_the_fastest_shape(tiny_target):
     from eagletools.decode.session import Settings
-    from eagletools.decode.tuning import TREE_GRID
     from eagletools.eval.runner import run_eval
+    from eagletools.kinds import KINDS
 
     s = Settings(target=str(tiny_target), draft="random", dtype="float32", max_new_tokens=8)
     s.autotune, s.autotune_prompts = True, 1
     questions = load_benchmark("mt-bench", num_prompts=1)
     results = run_eval(s, questions, progress=False)
     trials = results["autotune"]["trials"]
-    assert len(trials) == len(TREE_GRID)
+    assert len(trials) == 1 + len(KINDS["eagle3"].shapes)  # plain decoding besides
     best = max(trials, key=lambda t: t["tokens_per_s"])
     assert (s.topk, s.depth, s.num_draft_tokens) == (
         best["topk"],

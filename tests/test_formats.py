@@ -191,8 +191,9 @@ ROUND_TRIP_CONFIGS = [
     dict(aux_layer_ids=None, rope_scaling={"rope_type": "linear", "factor": 2.0}),
     dict(aux_layer_ids=[1, 2, 3], fc_norm=True, norm_output=True),
     dict(aux_layer_ids=[1, 2, 3], num_hidden_layers=3, qk_norm=True),
+    dict(aux_layer_ids=None, norm_before_fc=True, norm_output=True, target_hidden_size=48),
 ]  # fmt: skip
-ROUND_TRIP_IDS = ["llama3-rope", "qwen3", "no-aux", "eagle3.1", "3-layers"]
+ROUND_TRIP_IDS = ["llama3-rope", "qwen3", "no-aux", "eagle3.1", "3-layers", "norm-before-fc"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -302,6 +303,67 @@ def test_eagle31_fields_and_keys_are_what_the_engines_read(tmp_path):
     (tmp_path / "eagle/config.json").write_text(json.dumps({**cfg, "fc_norm": False}))
     with pytest.raises(UserError, match="unexpected tensor.*fc_norm.0.weight"):
         load_checkpoint(tmp_path / "eagle")
+
+
+def test_norm_before_fc_is_written_where_each_engine_reads_it(tmp_path):
+    """One norm over all aux states, tensor `input_norm.weight` [A*Ht] in both layouts.
+    speculators: top-level `norm_before_fc` (speculators 0.9.0; vLLM's
+    configs/speculators/algos.py:36 copies it). eagle: top-level (llama.cpp's converter,
+    vLLM's fallback) and `eagle_config.norm_before_fc` (TensorRT-LLM's only place, vLLM's
+    first: models/llama_eagle3.py:184-188)."""
+    from safetensors import safe_open
+
+    ckpt = make_ckpt(aux_layer_ids=None, norm_before_fc=True, target_hidden_size=48)
+    for fmt in ("eagle", "speculators"):
+        save_checkpoint(ckpt, tmp_path / fmt, fmt, verifier="v")
+        cfg = json.loads((tmp_path / fmt / "config.json").read_text())
+        assert cfg["norm_before_fc"] is True and cfg["fc_norm"] is False
+        with safe_open(str(tmp_path / fmt / "model.safetensors"), "pt") as f:
+            assert f.get_slice("input_norm.weight").get_shape() == [3 * 48]
+        assert load_checkpoint(tmp_path / fmt).config.norm_before_fc is True
+    eagle = json.loads((tmp_path / "eagle/config.json").read_text())
+    assert eagle["eagle_config"] == {"norm_before_fc": True}  # no aux ids: only the flag
+    save_checkpoint(make_ckpt(aux_layer_ids=[1, 2, 3]), tmp_path / "p", "eagle")
+    plain = json.loads((tmp_path / "p/config.json").read_text())
+    assert plain["norm_before_fc"] is False and "norm_before_fc" not in plain["eagle_config"]
+
+
+@pytest.mark.parametrize(
+    "spelling, read",
+    [({"norm_before_fc": True}, True), ({"eagle_config": {"norm_before_fc": True}}, True),
+     ({"norm_before_fc": False, "eagle_config": {"norm_before_fc": True}}, True),
+     ({"norm_before_fc": True, "eagle_config": {"norm_before_fc": False}}, False), ({}, False)],
+)  # fmt: skip
+def test_eagle_layout_reads_norm_before_fc_as_vllm_does(tmp_path, spelling, read):
+    """vLLM 0.32.0 (models/llama_eagle3.py:184-188): `eagle_config["norm_before_fc"]`
+    when present, else the top-level field, else false."""
+    folder = tmp_path / "e"
+    save_checkpoint(make_ckpt(aux_layer_ids=None, norm_before_fc=read), folder, "eagle")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.pop("norm_before_fc")
+    cfg.pop("eagle_config", None)
+    (folder / "config.json").write_text(json.dumps({**cfg, **spelling}))
+    assert load_checkpoint(folder).config.norm_before_fc is read
+
+
+@pytest.mark.parametrize("fmt", ["eagle", "speculators"])
+def test_norm_before_fc_disagreeing_with_its_tensor_is_refused(tmp_path, fmt):
+    """vLLM drops `input_norm.*` with the flag off (llama_eagle3.py:464): the draft would be
+    served without its norm, so a file whose flag and tensor disagree is refused, naming
+    the field and the fix."""
+    save_checkpoint(make_ckpt(norm_before_fc=True), tmp_path / "on", fmt, verifier="v")
+    cfg = json.loads((tmp_path / "on/config.json").read_text())
+    cfg.pop("eagle_config", None)
+    (tmp_path / "on/config.json").write_text(json.dumps({**cfg, "norm_before_fc": False}))
+    with pytest.raises(UserError, match=r"holds input_norm.weight but norm_before_fc is false.*"
+                                        r"set norm_before_fc: true"):  # fmt: skip
+        load_checkpoint(tmp_path / "on")
+    save_checkpoint(make_ckpt(), tmp_path / "off", fmt, verifier="v")
+    cfg = json.loads((tmp_path / "off/config.json").read_text())
+    (tmp_path / "off/config.json").write_text(json.dumps({**cfg, "norm_before_fc": True}))
+    with pytest.raises(UserError, match=r"norm_before_fc is true but the file has no "
+                                        r"input_norm.weight.*set norm_before_fc: false"):  # fmt: skip
+        load_checkpoint(tmp_path / "off")
 
 
 def test_later_layers_are_named_as_each_engine_reads_them(tmp_path):
@@ -514,10 +576,11 @@ def test_pickle_with_objects_is_refused_even_when_allowed(tmp_path):
 
 
 def test_unsupported_speculators_variants_are_refused(tmp_path):
-    save_checkpoint(make_ckpt(), tmp_path / "s", "speculators")
+    save_checkpoint(make_ckpt(norm_before_fc=True), tmp_path / "s", "speculators")
     cfg = json.loads((tmp_path / "s/config.json").read_text())
-    (tmp_path / "s/config.json").write_text(json.dumps({**cfg, "norm_before_fc": True}))
-    with pytest.raises(UserError, match="'norm_before_fc' is true"):
+    # speculators refuses both norms together (Eagle3SpeculatorConfig._check_norm_flags)
+    (tmp_path / "s/config.json").write_text(json.dumps({**cfg, "fc_norm": True}))
+    with pytest.raises(UserError, match="'norm_before_fc' and 'fc_norm' are both true"):
         load_checkpoint(tmp_path / "s")
 
 

@@ -192,6 +192,41 @@ def test_eagle31_options_are_refused(case, tmp_path, option, capsys):
     assert not (tmp_path / "x.gguf").exists()
 
 
+@pytest.mark.parametrize("layout", sorted(AUX_IDS))
+def test_norm_before_fc_as_llamacpps_converter_writes_it(case, tmp_path, layout):
+    """llama.cpp 11434 honours norm_before_fc: key `eagle3.norm_before_fc`, the norm as
+    `enc.output_norm` [3*Ht] (src/models/eagle3.cpp:33, 61-63, 131-133), which its
+    converter takes from `input_norm.weight` and a top-level `norm_before_fc`
+    (conversion/llama.py:102, 238); live against that converter when unpacked."""
+    from safetensors.torch import load_file
+
+    src = tmp_path / layout
+    ckpt = make_ckpt(vocab_size=VOCAB, aux_layer_ids=AUX_IDS[layout], norm_before_fc=True,
+                     norm_before_residual=NORM_BEFORE_RESIDUAL[layout])  # fmt: skip
+    save_checkpoint(ckpt, src, layout, dtype="bf16")
+    mine = tmp_path / "ours.gguf"
+    assert main(["convert", str(src), str(mine), "--to", "gguf", "--target", str(case / "target")]) == 0  # fmt: skip
+    reader = gguf.GGUFReader(mine)
+    assert reader.fields["eagle3.norm_before_fc"].contents() is True
+    norm = next(t for t in reader.tensors if t.name == "enc.output_norm.weight")
+    assert norm.tensor_type.name == "F32" and [int(n) for n in norm.shape] == [3 * 64]
+    stored = load_file(src / "model.safetensors")["input_norm.weight"].float()
+    assert torch.equal(torch.from_numpy(norm.data.copy()), stored)
+    if not (LLAMACPP / "convert_hf_to_gguf.py").is_file():
+        pytest.skip("llama.cpp 11434 source not unpacked: make engine-llamacpp")
+    pytest.importorskip("sentencepiece", reason="llama.cpp's converter imports it")
+    theirs = tmp_path / "theirs.gguf"
+    env = dict(os.environ, PYTHONPATH=str(LLAMACPP / "gguf-py"))
+    cmd = [
+        sys.executable, str(LLAMACPP / "convert_hf_to_gguf.py"), str(src),
+        "--target-model-dir", str(case / "target"), "--outtype", "bf16", "--outfile", str(theirs),
+    ]  # fmt: skip
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert snapshot(mine) == snapshot(theirs)
+    assert tensor_bytes(mine) == tensor_bytes(theirs)
+
+
 def test_qk_permutation_is_ggml_pair_layout(case):
     """Row 2i/2i+1 of each GGUF q head are rows i/i+hd/2 of the HF head (GGML's normal RoPE)."""
     from safetensors.torch import load_file

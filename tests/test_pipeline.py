@@ -175,7 +175,7 @@ def test_a_recipe_without_a_tree_shape_takes_the_tuned_one(target_dir, tmp_path,
     ])  # fmt: skip
     asked = []
 
-    def choose_tree(s, measure, prompts=None):
+    def choose_tree(s, measure, grid, prompts=None):
         asked.append((s.shape, s.tune))
         return TreeChoice((1, 2, 3), "cache")
 

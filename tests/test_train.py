@@ -192,6 +192,15 @@ def test_draft_mlp_width_is_a_recipe_field(tmp_path):
         tiny_config("draft.intermediate_size=0")
 
 
+def test_norm_before_fc_is_a_recipe_field(tmp_path):
+    from eagletools.formats import load_checkpoint
+
+    trainer, _ = run(tmp_path, tiny_config("draft.norm_before_fc=true", "training.max_steps=1"))
+    assert not torch.equal(trainer.draft.input_norm.weight, torch.ones(3 * 64))  # trained
+    final = load_checkpoint(tmp_path / "out" / "final")
+    assert final.config.norm_before_fc and final.tensors["input_norm.weight"].shape == (3 * 64,)
+
+
 def test_zero_regenerated_turns_is_refused():
     with pytest.raises(UserError, match="data.regenerate.max_turns"):
         tiny_config("data.regenerate.max_turns=0")

@@ -75,6 +75,9 @@ def dense_unroll(draft, input_ids, aux, loss_mask, probs, argmax, steps, decay, 
     """Step-by-step reference: explicit shifted copies and a dense mask."""
     b, t = input_ids.shape
     c = draft.config
+    if c.norm_before_fc:  # one RMSNorm over the whole concatenation, written out
+        rms = aux.pow(2).mean(-1, keepdim=True).add(c.rms_norm_eps).rsqrt()
+        aux = aux * rms * draft.input_norm.weight
     if c.fc_norm:  # EAGLE-3.1: each aux state through its own norm before fc
         chunks = aux.split(c.target_hidden_size, dim=-1)
         aux = torch.cat([n(x) for n, x in zip(draft.fc_norm, chunks, strict=True)], dim=-1)
@@ -124,6 +127,20 @@ def batch(draft, b=2, t=12, seed=1):
     lm_head = torch.randn(vocab, draft.config.target_hidden_size, generator=g)
     probs, argmax = teacher_targets(last_hidden, lm_head, draft.d2t)
     return input_ids, aux, loss_mask, probs, argmax
+
+
+def test_unroll_with_norm_before_fc_matches_dense_reference():
+    draft = tiny_draft(norm_before_fc=True, norm_output=True)
+    with torch.no_grad():  # away from 1, so that a missing or misplaced norm shows
+        draft.input_norm.weight.uniform_(0.5, 2.0)
+    inputs = batch(draft)
+    loss, _ = TTTModel(draft, steps=3, decay=0.8, chunk=5)(*inputs)
+    ref = dense_unroll(draft, *inputs, steps=3, decay=0.8)
+    torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)
+    grads = torch.autograd.grad(loss, [draft.input_norm.weight, draft.fc.weight])
+    refs = torch.autograd.grad(ref, [draft.input_norm.weight, draft.fc.weight])
+    for a, b_ in zip(grads, refs, strict=True):
+        torch.testing.assert_close(a, b_, atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("layers", [1, 2], ids=["1-layer", "2-layers"])

@@ -11,6 +11,9 @@ from eagletools.cli import main
 from eagletools.decode import session, tuning
 from eagletools.decode.session import Settings
 from eagletools.decode.timing import Measured, Run
+from eagletools.kinds import KINDS
+
+GRID = (None, *KINDS["eagle3"].shapes)  # what a random (EAGLE-3) draft's tune times
 
 QUIET = {"max": 0.0, "own_cpus": 1.0, "others": 0.0, "samples": 2}
 
@@ -31,7 +34,7 @@ def fake_timer(monkeypatch, speeds: dict[str, float]) -> list[list[str]]:
 
 
 def speeds(fastest: str) -> dict[str, float]:
-    return {tuning.shape_label(g): 10.0 for g in tuning.TREE_GRID} | {fastest: 30.0}
+    return {tuning.shape_label(g): 10.0 for g in GRID} | {fastest: 30.0}
 
 
 def eval_args(target, tmp_path, out: str, *extra: str) -> list[str]:
@@ -56,7 +59,7 @@ def test_no_shape_tunes_once_then_takes_the_cached_choice(tiny_target, tmp_path,
     caplog.set_level(logging.INFO)
     calls = fake_timer(monkeypatch, speeds("1/3/4"))
     assert main(eval_args(tiny_target, tmp_path, "first")) == 0
-    assert calls == [[tuning.shape_label(g) for g in tuning.TREE_GRID]]  # plain among them
+    assert calls == [[tuning.shape_label(g) for g in GRID]]  # plain among them
     first = results(tmp_path, "first")
     assert first["tree"]["source"] == "tuned" and not first["tree"]["plain"]
     assert (first["settings"]["topk"], first["settings"]["depth"]) == (1, 3)
@@ -112,7 +115,7 @@ def fake_tune(shape) -> dict:
 
 def test_the_cache_key_follows_the_draft_files(tmp_path):
     def key(draft):
-        return session.tune_key(Settings(target="t", draft=str(draft)))
+        return session.tune_key(Settings(target="t", draft=str(draft)), GRID)
 
     a, b = tmp_path / "a", tmp_path / "b"
     for folder, weights in ((a, b"one"), (b, b"two")):
@@ -131,11 +134,13 @@ def test_the_cache_key_follows_the_draft_files(tmp_path):
 @pytest.mark.parametrize("text", ["{not json", "[1, 2]", '{"%s": {"shape": "big"}}'])
 def test_a_corrupt_cache_is_ignored_with_a_warning(tune_cache, text, caplog):
     s = Settings(target="t", draft="random")
-    tune_cache.write_text(text % tuning._digest(session.tune_key(s)) if "%s" in text else text)
-    tree = session.choose_tree(s, lambda *_: fake_tune((1, 3, 4)))
+    tune_cache.write_text(
+        text % tuning._digest(session.tune_key(s, GRID)) if "%s" in text else text
+    )
+    tree = session.choose_tree(s, lambda *_: fake_tune((1, 3, 4)), GRID)
     assert (tree.shape, tree.source) == ((1, 3, 4), "tuned")
     assert "ignoring" in caplog.text
-    hit = session.choose_tree(s, lambda *_: pytest.fail("tuned again"))
+    hit = session.choose_tree(s, lambda *_: pytest.fail("tuned again"), GRID)
     assert (hit.shape, hit.source) == ((1, 3, 4), "cache")
 
 
@@ -143,19 +148,21 @@ def test_a_tune_under_load_serves_its_run_but_is_not_cached(tune_cache, caplog):
     """Timed beside other work, a choice can be wrong; cached, it would stay wrong."""
     s = Settings(target="t", draft="random")
     loaded = fake_tune((1, 3, 4)) | {"load_during_timing": {**QUIET, "max": 9.0, "others": 8.0}}
-    tree = session.choose_tree(s, lambda *_: loaded)
+    tree = session.choose_tree(s, lambda *_: loaded, GRID)
     assert (tree.shape, tree.source) == ((1, 3, 4), "tuned")
     assert "tunes again" in caplog.text and not tune_cache.exists()
-    again = session.choose_tree(s, lambda *_: fake_tune((2, 3, 6)))
+    again = session.choose_tree(s, lambda *_: fake_tune((2, 3, 6)), GRID)
     assert (again.shape, again.source) == ((2, 3, 6), "tuned")
-    assert session.choose_tree(s, lambda *_: pytest.fail("tuned again")).source == "cache"
+    assert session.choose_tree(s, lambda *_: pytest.fail("tuned again"), GRID).source == "cache"
 
 
 def test_no_tune_and_autotune_take_the_fixed_shape_untimed():
-    no_tune = session.choose_tree(Settings(draft="random", tune=False), lambda *_: pytest.fail())
+    no_tune = session.choose_tree(
+        Settings(draft="random", tune=False), lambda *_: pytest.fail(), GRID
+    )
     assert (no_tune.shape, no_tune.source) == (tuning.FIXED_SHAPE, "fixed")
     assert no_tune.line() == "tree 4/5/16 (topk/depth/nodes), fixed by --no-tune"
     autotune = session.choose_tree(
-        Settings(draft="random", autotune=True), lambda *_: pytest.fail()
+        Settings(draft="random", autotune=True), lambda *_: pytest.fail(), GRID
     )
     assert autotune.shape == tuning.FIXED_SHAPE and autotune.line() is None

@@ -26,9 +26,10 @@ from eagletools.decode.graphs import graphed
 from eagletools.decode.model import Transformer, cache_mask, extend_mask, grown
 from eagletools.decode.sampling import GREEDY, Sampling, choose
 from eagletools.decode.stopping import Stopper, eos_token_ids
-from eagletools.decode.tree import check_tree_shape, grow_tree, max_tree_nodes
+from eagletools.decode.tree import check_tree_shape, max_tree_nodes
 from eagletools.devices import device_guard
 from eagletools.errors import UserError
+from eagletools.kinds import Drafter, kind_of
 
 
 @dataclass
@@ -257,9 +258,9 @@ class BaselineDecoder:
 
 
 class SpeculativeDecoder:
-    """EAGLE-3 tree speculative decoding (docs/design.md 3.6), lossless.
+    """Tree speculative decoding (docs/design.md 3.6), lossless, with a draft of any kind.
 
-    A step is `_device_step` (draft a tree, verify it, refresh the draft over
+    A step is `_device_step` (draft a tree as the draft's kind proposes, verify it, refresh the draft over
     the accepted tokens), then the one wait on the device, for the new tokens
     and their cache slots, and the KV compaction where a slot moves. Its
     shapes are fixed by the tree (the verify forward runs `num_draft_tokens`
@@ -285,6 +286,7 @@ class SpeculativeDecoder:
 
         check_draft_fits(model, draft)
         check_tree_shape(topk, depth, num_draft_tokens)
+        self.kind = kind_of(draft.config)
         self.topk, self.depth, self.num_draft_tokens = topk, depth, num_draft_tokens
         self.session = Session.open(
             model, tokenizer, max_seq_len, num_draft_tokens + 1, tuple(draft.config.aux_layer_ids)
@@ -368,6 +370,15 @@ class SpeculativeDecoder:
         )
         return logits[0], h[0]
 
+    def _draft_block(self, base: int, tokens: torch.Tensor, hidden: torch.Tensor):
+        """`Drafter.block` over a draft cache of `base` entries: n parallel rows after the
+        root at slots and positions `base..`, each seeing the cache and the rows before it."""
+        n = tokens.numel()
+        slots = torch.arange(base, base + n, device=tokens.device)
+        mask = extend_mask(base, n, device=tokens.device)
+        logits, h = self.draft.decode(hidden[None], tokens[None], slots, self.cache, slots, mask)
+        return logits[0], h[0]
+
     def _decode(self, state: Generation, aux, stopper: Stopper, sampling, generator):
         """The draft's prefill over the prompt after the reused prefix, then speculative
         steps until one stops: the final state."""
@@ -419,16 +430,10 @@ class SpeculativeDecoder:
         nodes: (drafts accepted [1], the new tokens [path_rows] padded after the bonus,
         the cache slots compaction moves [1, path_rows], the draft's logits and hidden
         at the bonus)."""
-        tree = grow_tree(
-            functools.partial(self._draft_step, length),
-            root,
-            d_logits,
-            d_hidden,
-            self.d2t,
-            self.topk,
-            self.depth,
-            self.num_draft_tokens,
-        )
+        drafter = Drafter(self.draft, functools.partial(self._draft_step, length),
+                          functools.partial(self._draft_block, length))  # fmt: skip
+        tree = self.kind.propose(drafter, root, d_logits, d_hidden, self.d2t, self.topk,
+                                 self.depth, self.num_draft_tokens)  # fmt: skip
         positions = length + tree.depths
         logits, aux = self.verify_forward(tree.tokens[None], positions, length, tree.mask)
         path, n_acc, bonus = self._verify(tree, logits[0], sampling, uniforms)

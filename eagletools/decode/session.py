@@ -7,7 +7,8 @@ run drafts with the one `choose_tree` takes from `tuned_shapes.json` in the
 eagletools cache, kept under everything it depends on (`tune_key`: the
 target, a hash of the draft's files, the machine and threads, dtype,
 numerics, sampling, the versions of eagletools and torch), or times now over
-TREE_GRID (decode.tuning); plain decoding when no shape beat it. `--no-tune`
+plain decoding and the shapes of the draft's kind (`DraftKind.shapes`); plain
+decoding when no shape beat it. `--no-tune`
 (`eval.tune: false`) drafts FIXED_SHAPE, the default before the tune;
 `--autotune` times the same grid on the benchmark's own prompts instead.
 """
@@ -30,7 +31,6 @@ from eagletools.decode.sampling import Sampling
 from eagletools.decode.timing import loaded_by_others, machine_key
 from eagletools.decode.tuning import (
     FIXED_SHAPE,
-    TREE_GRID,
     TUNE_PROMPTS,
     TUNE_TOKENS,
     Shape,
@@ -46,6 +46,7 @@ from eagletools.devices import resolve_device
 from eagletools.dtypes import dtype_name, parse_dtype
 from eagletools.engines import ENGINE_TIMEOUT, OURS
 from eagletools.errors import UserError
+from eagletools.kinds import kind_of
 
 log = logging.getLogger(__name__)
 
@@ -148,13 +149,14 @@ def tune_tree(decoders: Decoders, s: Settings, prompts: Sequence[str] | None = N
         def decoder(shape: Shape | None) -> BaselineDecoder | SpeculativeDecoder:
             return decoders.baseline if shape is None else _speculative(decoders, shape, s)
 
-        tune, tried = time_shapes(decoder, prompts, decoders.target.tokenizer, max_new_tokens,
-                                  s.sampling, s.seed, s.device)  # fmt: skip
+        tune, tried = time_shapes(grid, decoder, prompts, decoders.target.tokenizer,
+                                  max_new_tokens, s.sampling, s.seed, s.device)  # fmt: skip
         chosen = trial_shape(tune["best"])
         decoders.speculative = None if chosen is None else tried[chosen]
         return tune
 
-    tree = choose_tree(s, measure, prompts)
+    grid = (None, *kind_of(decoders.draft.config).shapes)
+    tree = choose_tree(s, measure, grid, prompts)
     if line := tree.line():
         log.info(line)
     use_tree(decoders, s, tree)
@@ -193,7 +195,7 @@ def load_any_draft(spec: str, target, dtype, device, allow_pickle: bool = False)
     return load_draft(spec, target=target, dtype=dtype, device=device, allow_pickle=allow_pickle)
 
 
-def tune_key(s: Settings) -> dict:
+def tune_key(s: Settings, grid: Sequence[Shape | None]) -> dict:
     """Everything the fastest shape depends on (call after the run set its threads)."""
     from eagletools import __version__
 
@@ -202,7 +204,7 @@ def tune_key(s: Settings) -> dict:
         "machine": machine_key(torch.device(s.device)), "compile": s.compile,
         "fast_numerics": s.fast_numerics, "sampling": [s.temperature, s.top_k, s.top_p],
         "eagletools": __version__, "torch": torch.__version__,
-        "grid": [shape_label(g) for g in TREE_GRID], "prompts": len(TUNE_PROMPTS),
+        "grid": [shape_label(g) for g in grid], "prompts": len(TUNE_PROMPTS),
         "tokens": TUNE_TOKENS,
     }  # fmt: skip
 
@@ -210,9 +212,10 @@ def tune_key(s: Settings) -> dict:
 def choose_tree(
     s: Settings,
     measure: Callable[[Sequence[str], int], dict],
+    grid: Sequence[Shape | None],
     prompts: Sequence[str] | None = None,
 ) -> TreeChoice:
-    """The one tree shape choice. With --autotune, TREE_GRID timed by `measure` on `prompts`
+    """The one tree shape choice. With --autotune, `grid` timed by `measure` on `prompts`
     (the benchmark's; before they are known, FIXED_SHAPE untimed). Else the shape `s` gives;
     `--no-tune`: FIXED_SHAPE; else the one tuned for `tune_key(s)`: from the cache, or
     `measure`d now on TUNE_PROMPTS and cached."""
@@ -225,7 +228,7 @@ def choose_tree(
         return TreeChoice(FIXED_SHAPE, "autotune")
     if not s.tune:
         return TreeChoice(FIXED_SHAPE, "fixed")
-    key = tune_key(s)
+    key = tune_key(s, grid)
     if (hit := cached_choice(key)) is not None:
         return hit
     start = time.perf_counter()

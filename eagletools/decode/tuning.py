@@ -1,9 +1,9 @@
-"""Tree shapes: the one grid a run times, the timing, and the choice it keeps.
+"""Tree shapes: the grid a run times, the timing, and the choice it keeps.
 
 A shape that suits a GPU can make a CPU slower than plain decoding (issue 42:
 topk 4, depth 5, 16 nodes gave tau 1.8 at 0.97x plain decoding's tokens/s on
-2 cores). So a run that gives no shape times `TREE_GRID` (plain decoding, two
-chains, two trees) and keeps the fastest: plain decoding when no shape beats
+2 cores). So a run that gives no shape times a grid (plain decoding and its draft
+kind's shapes, `DraftKind.shapes`) and keeps the fastest: plain decoding when no shape beats
 it (decode.session.choose_tree, which also caches the choice). Every shape
 takes each prompt in turn (decode.timing), so a change in load hits them alike.
 """
@@ -28,9 +28,6 @@ log = logging.getLogger(__name__)
 Shape = tuple[int, int, int]  # (topk, depth, num_draft_tokens)
 
 FIXED_SHAPE: Shape = (4, 5, 16)  # --no-tune; and the rest of a shape given in part
-# None is plain decoding; chains of 2 and 3 drafts pay on CPUs, where a wide verify costs
-# much more than one row (issue 16); the fixed shape for where it pays (GPUs)
-TREE_GRID: tuple[Shape | None, ...] = (None, (1, 2, 3), (1, 3, 4), (2, 3, 6), FIXED_SHAPE)
 TUNE_TOKENS = 64  # per prompt and shape: a small fixed budget
 TUNE_PROMPTS = (
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -155,6 +152,7 @@ def keep_choice(key: dict, chosen: Shape | None, tune: dict) -> None:
 
 
 def time_shapes(
+    grid: Sequence[Shape | None],
     decoder: Callable[[Shape | None], object],
     prompts: Sequence[str],
     tokenizer,
@@ -163,17 +161,17 @@ def time_shapes(
     seed: int,
     device: str,
 ) -> tuple[dict, dict[Shape | None, object]]:
-    """Time each shape of TREE_GRID (`decoder(shape)` makes its decoder; None: plain) on
+    """Time each shape of `grid` (`decoder(shape)` makes its decoder; None: plain) on
     `prompts`: (the tune: its trials, the best and the load while timing; the decoders,
     so the chosen one is kept, its compiled step not made again)."""
-    tried = {shape: decoder(shape) for shape in TREE_GRID}
+    tried = {shape: decoder(shape) for shape in grid}
     timed = [
         Decoder(shape_label(shape), d, max_new_tokens, sampling,
                 torch.Generator(device=device).manual_seed(seed))
         for shape, d in tried.items()
     ]  # fmt: skip
     measured = run_methods([timed], [(p,) for p in prompts], tokenizer, progress=False)
-    trials = [_trial(shape, measured.runs[shape_label(shape)]) for shape in TREE_GRID]
+    trials = [_trial(shape, measured.runs[shape_label(shape)]) for shape in grid]
     best = max(trials, key=lambda t: t["tokens_per_s"])  # the first of equals: plain leads
     tune = {"prompts": len(prompts), "max_new_tokens": max_new_tokens, "trials": trials,
             "best": best, "load_during_timing": measured.machine["load_during_timing"]}  # fmt: skip

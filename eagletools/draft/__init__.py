@@ -1,4 +1,4 @@
-"""The EAGLE-3 draft head and its configuration."""
+"""The draft heads (EAGLE-3, P-EAGLE) and their configuration."""
 
 from eagletools.draft.config import DraftConfig
 from eagletools.draft.model import (
@@ -7,7 +7,9 @@ from eagletools.draft.model import (
     later_layer_name,
     split_later_layer_key,
 )
+from eagletools.draft.parallel import PEagleDraft
 
 __all__ = [
-    "DraftConfig", "DraftKVCache", "Eagle3Draft", "later_layer_name", "split_later_layer_key",
+    "DraftConfig", "DraftKVCache", "Eagle3Draft", "PEagleDraft", "later_layer_name",
+    "split_later_layer_key",
 ]  # fmt: skip

@@ -34,9 +34,13 @@ class DraftConfig:
     max_position_embeddings: int = 2048
     norm_before_residual: bool = False
     fc_norm: bool = False  # EAGLE-3.1: an RMSNorm on each aux state before `fc`
+    norm_before_fc: bool = False  # EAGLE-3.1 as vLLM/speculators name it: one RMSNorm
+    # (`input_norm`) over the concatenated aux states before `fc`; not with fc_norm
     norm_output: bool = False  # EAGLE-3.1: the next step gets the output after `norm`
     qk_norm: bool = False  # Qwen3-style per-head q/k RMSNorm
     hidden_act: str = "silu"
+    kind: str = "eagle3"  # which draft this is (`eagletools.kinds`): eagle3, peagle
+    mask_token_id: int | None = None  # P-EAGLE: the token its parallel slots take
     extra: dict[str, Any] = field(default_factory=dict)  # fields we carry but do not use
 
     def __post_init__(self) -> None:
@@ -75,6 +79,13 @@ class DraftConfig:
                 raise bad("aux_layer_ids", f"must be non-negative, got {self.aux_layer_ids}")
         if self.hidden_act != "silu":
             raise bad("hidden_act", f"{self.hidden_act!r} is not supported (only 'silu')")
+        if self.norm_before_fc and self.fc_norm:
+            raise bad(
+                "norm_before_fc",
+                "and 'fc_norm' are both true: they are two ways to norm the aux states before "
+                "fc (one norm over the concatenation, or one per state) and speculators refuses "
+                "both together; set one of them to false",
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

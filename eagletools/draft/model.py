@@ -180,7 +180,7 @@ class DecodeWeights:
     rope: torch.Tensor
 
 
-def _identity(weight: torch.Tensor) -> tuple[int, int]:
+def weight_identity(weight: torch.Tensor) -> tuple[int, int]:
     """Tells a weight changed: its storage (`.to()`) or its version (in-place updates);
     inference tensors keep no version."""
     return weight.data_ptr(), 0 if weight.is_inference() else weight._version
@@ -233,6 +233,10 @@ class Eagle3Draft(nn.Module):
             self.fc_norm = nn.ModuleList(
                 RMSNorm(config.target_hidden_size, config.rms_norm_eps)
                 for _ in range(config.num_aux_states)
+            )
+        if config.norm_before_fc:  # one norm over all states: vLLM's and speculators' name
+            self.input_norm = RMSNorm(
+                config.num_aux_states * config.target_hidden_size, config.rms_norm_eps
             )
         self.midlayer = Eagle3Layer(config)
         # children of the draft itself, as `midlayer`: FSDP2 wraps any module past a size,
@@ -324,7 +328,10 @@ class Eagle3Draft(nn.Module):
         With `fc_norm` each state is normalised on its own first: a target's
         layers differ in scale (SmolLM2: RMS 3 at layer 2, 64 at layer 15,
         single values up to 25k), which a shared `fc` would otherwise inherit.
+        With `norm_before_fc` one norm (`input_norm`) covers the whole concatenation.
         """
+        if self.config.norm_before_fc:
+            aux = self.input_norm(aux)
         if self.config.fc_norm:
             parts = aux.split(self.config.target_hidden_size, dim=-1)
             aux = torch.cat([norm(x) for norm, x in zip(self.fc_norm, parts, strict=True)], -1)
@@ -363,7 +370,7 @@ class Eagle3Draft(nn.Module):
         layers = self.draft_layers()
         qkv = [(a.q_proj, a.k_proj, a.v_proj) for a in (layer.self_attn for layer in layers)]
         gate_up = [(layer.mlp.gate_proj, layer.mlp.up_proj) for layer in layers]
-        source = tuple(_identity(p.weight) for parts in (*qkv, *gate_up) for p in parts)
+        source = tuple(weight_identity(p.weight) for parts in (*qkv, *gate_up) for p in parts)
         if self._decode_weights is None or self._decode_weights.source != source:
             weight = self.midlayer.self_attn.q_proj.weight
             c = self.config

@@ -69,6 +69,7 @@ class ServeRequest:
     max_model_len: int
     device: str
     threads: int | None
+    draft_kind: str = "eagle3"  # `eagletools.kinds`: peagle drafts a block per forward
 
 
 @dataclass

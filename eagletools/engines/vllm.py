@@ -1,4 +1,5 @@
-"""vLLM (`vllm serve`): EAGLE-3 drafts in the speculators or eagle layout.
+"""vLLM (`vllm serve`): EAGLE-3 drafts in the speculators or eagle layout, P-EAGLE drafts
+(speculators `peagle`) with `parallel_drafting`.
 
 Acceptance comes from vLLM's own Prometheus counters at /metrics:
 `vllm:spec_decode_num_drafts` (verify steps), `..._num_accepted_tokens` and
@@ -53,6 +54,8 @@ def launch(r: ServeRequest) -> Launch:
             "model": r.draft,
             "num_speculative_tokens": r.num_speculative_tokens,
         }
+        if r.draft_kind == "peagle":  # else vLLM drafts it a token per forward, warning only
+            config["parallel_drafting"] = True
         argv += ["--speculative-config", json.dumps(config)]
     env = {}
     if r.device == "cpu":

@@ -80,10 +80,16 @@ def _max_len(target: Path | str) -> int:
 def launch_args(s: Settings, engine: Engine) -> tuple[dict, str | None]:
     """(the server's `ServeRequest` fields but port and draft, the draft as `engine` loads it)."""
     folder, target, draft = engine_inputs(s, engine)
+    kind = "eagle3"
+    if draft and Path(draft).is_dir():
+        from eagletools.formats import load_checkpoint
+
+        kind = load_checkpoint(draft).config.kind
     args = dict(
         target=target, num_speculative_tokens=s.depth, dtype=s.dtype,
         max_model_len=_max_len(folder if folder.is_dir() else target), device=s.device,
         threads=s.threads or os.cpu_count(),  # every engine gets the same cores
+        draft_kind=kind,
     )  # fmt: skip
     return args, draft
 

@@ -15,15 +15,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 from eagletools.atomic import atomic_dir, atomic_file
-from eagletools.draft import DraftConfig, Eagle3Draft
+from eagletools.draft import DraftConfig
 from eagletools.dtypes import parse_dtype
 from eagletools.errors import UserError
 from eagletools.formats import eagle, gguf, hfconfig, speculators, training
 from eagletools.formats.registry import Format, WriteOptions
 from eagletools.formats.tensors import DEFAULT_MAX_SHARD_BYTES
 from eagletools.formats.validate import check_tensors, target_problems
+from eagletools.kinds import kind_of
 from eagletools.targets import default_aux_layer_ids, normalize_rope_scaling
 from eagletools.vocab import DraftVocab
 
@@ -137,6 +139,12 @@ def save_checkpoint(
     """
     if fmt not in FORMATS:
         raise UserError(f"format {fmt!r}: choose one of {sorted(FORMATS)}")
+    kind = kind_of(ckpt.config, ckpt.source)
+    if fmt != training.NAME and fmt not in kind.layouts:
+        raise UserError(
+            f"{ckpt.source}: a {kind.title} draft has no {fmt} form (no engine that reads "
+            f"{fmt} serves {kind.title}); write it as {' or '.join(kind.layouts)}"
+        )
     path = Path(path).expanduser()
     if path.exists() and not overwrite:
         raise UserError(f"{path}: already exists; pass --force (overwrite=True) to replace it")
@@ -208,8 +216,8 @@ def load_draft(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     allow_pickle: bool = False,
-) -> Eagle3Draft:
-    """An `Eagle3Draft` from any checkpoint; with a target, fitted to it (see `fit_to_target`)."""
+) -> nn.Module:
+    """The draft module of its kind (`Eagle3Draft`, ...) from any checkpoint; with a target, fitted to it (see `fit_to_target`)."""
     ckpt = load_checkpoint(path, allow_pickle)
     if target is not None:
         ckpt, notes = fit_to_target(ckpt, target)
@@ -219,6 +227,6 @@ def load_draft(
         raise UserError(
             f"{ckpt.source}: has no {EMBED}; pass the target so its embeddings are used"
         )
-    model = Eagle3Draft(ckpt.config)
+    model = kind_of(ckpt.config, ckpt.source).build(ckpt.config)
     model.load_state_dict(ckpt.tensors, strict=True)
     return model.to(device=device, dtype=dtype).eval()

@@ -28,13 +28,14 @@ from eagletools.formats import eagle, gguf, hfconfig, speculators, training
 from eagletools.formats.checkpoint import Checkpoint, detect_format, load_checkpoint, sniff_format
 from eagletools.formats.record import find_record
 from eagletools.formats.tensors import read_tensors
+from eagletools.kinds import KINDS
 from eagletools.targets import default_aux_layer_ids, normalize_rope_scaling, rope_of
 from eagletools.targets.anatomy import DEFAULT_ROPE_THETA
 
 LEVELS = ("ok", "info", "warn", "error")
 NBR = "norm_before_residual"
+NBF = "norm_before_fc"
 AUX = "eagle_aux_hidden_state_layer_ids"
-ARCHITECTURES = {eagle.NAME: {eagle.ARCHITECTURE}, speculators.NAME: {"Eagle3DraftModel", "Eagle3Speculator"}}  # fmt: skip
 # the layouts each engine loads (llama.cpp: any, through `convert --to gguf`)
 LAYOUTS = {"vllm": {"eagle", "speculators"}, "llama.cpp": {"eagle", "speculators", "training"}}
 EAGLE_ONLY = {"eagle"}
@@ -175,9 +176,11 @@ def check_rope(d: Draft) -> list[Finding]:
 
 
 def check_architectures(d: Draft) -> list[Finding]:
-    """The class an engine builds is picked by `architectures`."""
-    want = ARCHITECTURES.get(d.format)
-    if want is None:
+    """The class an engine builds is picked by `architectures`: the draft's kind's for
+    its layout."""
+    kind = KINDS.get(d.ckpt.config.kind if d.ckpt else "eagle3")
+    want = set(kind.architectures.get(d.format, ())) if kind else set()
+    if not want:
         return []
     archs = d.raw.get("architectures") or []
     if want & set(archs):
@@ -283,8 +286,49 @@ def check_aux_spellings(d: Draft) -> list[Finding]:
     return [Finding("aux", "ok", "aux_layer_ids", f"{read} (HF indexing)" if read else "not recorded")]  # fmt: skip
 
 
+def nbf_readings(d: Draft) -> dict[str, tuple[str, bool]]:
+    """`norm_before_fc` as each reader of this layout takes it: reader -> (field, value).
+    In the eagle layout vLLM reads `eagle_config`'s, else the top-level one
+    (models/llama_eagle3.py:184-188); TensorRT-LLM `eagle_config`'s only; llama.cpp's
+    converter the top-level one only (conversion/llama.py:102)."""
+    top = bool(d.raw.get(NBF, False))
+    if d.format != eagle.NAME:
+        who = "vLLM and speculators" if d.format == speculators.NAME else "eagletools"
+        return {who: (NBF, top)}
+    inner = (d.raw.get("eagle_config") or {}).get(NBF)
+    return {
+        "vLLM": (f"eagle_config.{NBF}", bool(inner)) if inner is not None else (NBF, top),
+        "TensorRT-LLM": (f"eagle_config.{NBF}", bool(inner)),
+        "llama.cpp's converter": (NBF, top),
+    }
+
+
+def check_norm_before_fc(d: Draft) -> list[Finding]:
+    """`norm_before_fc` against its tensor `input_norm.weight`, as each reader takes the
+    flag: with the flag off vLLM drops the tensor and serves the draft without the norm
+    (models/llama_eagle3.py:464); with it on and no tensor, speculators runs a norm of
+    ones. Only the spellings disagreeing (the vLLM reading right) is repairable."""
+    has = hfconfig.INPUT_NORM in d.tensors
+    readings = nbf_readings(d)
+    wrong = {who: fv for who, fv in readings.items() if fv[1] != has}
+    if not wrong:
+        state = f"on, with {hfconfig.INPUT_NORM}" if has else f"off, no {hfconfig.INPUT_NORM}"
+        return [Finding(NBF, "ok", NBF, state)]
+    repair = None
+    if d.format == eagle.NAME and "vLLM" not in wrong:
+        repair = f"{NBF} written top-level and in eagle_config"
+    out = []
+    for who, (field, value) in wrong.items():
+        what, fix = hfconfig.input_norm_problem(value, has, field, who)
+        if repair:
+            fix = f"convert --repair writes {NBF} in both places"
+        out.append(Finding(NBF, "error", field, what, fix, repair=repair))
+    return out
+
+
 STATIC_CHECKS = (check_load, check_finite, check_rope, check_architectures, check_tie,
-                 check_dtype, check_norm_before_residual, check_aux_spellings)  # fmt: skip
+                 check_dtype, check_norm_before_residual, check_aux_spellings,
+                 check_norm_before_fc)  # fmt: skip
 
 
 def static_findings(d: Draft) -> list[Finding]:

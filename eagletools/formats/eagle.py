@@ -7,7 +7,10 @@ present, sit in `eagle_config.eagle_aux_hidden_state_layer_ids` as decoder-
 layer OUTPUT indices (SGLang adds 1), i.e. Hugging Face index - 1.
 EAGLE-3.1 drafts set top-level `fc_norm` (tensors `fc_norm.{i}.weight`, one
 per aux state) and `norm_output`, as SpecForge, SGLang, vLLM and TensorRT-LLM
-read them; the SafeAILab code has neither.
+read them; the SafeAILab code has neither. `norm_before_fc` (one norm over all aux
+states, tensor `input_norm.weight`) is written twice: top-level, where llama.cpp's
+converter reads it, and in `eagle_config`, the one TensorRT-LLM reads (vLLM reads
+`eagle_config` first, then top-level; models/llama_eagle3.py:184-188).
 A draft of several layers (`num_hidden_layers` > 1) is laid out as TensorRT-LLM's
 Eagle3DraftModel reads it: `midlayer` becomes a list, `midlayer.0.*` the EAGLE-3
 layer and `midlayer.{i}.*` the plain ones, whose one norm before attention is
@@ -102,9 +105,13 @@ def read(folder: Path, allow_pickle: bool = False) -> tuple[DraftConfig, dict[st
         aux_layer_ids=to_hf_ids(ids) if ids else None,
         norm_before_residual=bool(cfg.get("norm_before_residual", False)),
         fc_norm=bool(cfg.get("fc_norm", False)),
+        # as vLLM reads it: eagle_config's, else the top-level field
+        norm_before_fc=bool(eagle_cfg.get("norm_before_fc", cfg.get("norm_before_fc", False))),
         norm_output=bool(cfg.get("norm_output", False)),
         qk_norm="midlayer.self_attn.q_norm.weight" in tensors,
     )
+    nbf = "eagle_config.norm_before_fc" if "norm_before_fc" in eagle_cfg else "norm_before_fc"
+    hfconfig.check_input_norm(fields["norm_before_fc"], tensors, nbf, source, "vLLM")
     fields["num_aux_states"] = hfconfig.aux_count(ids, cfg.get("num_aux_hidden_states"))
     return DraftConfig(**fields), tensors
 
@@ -119,6 +126,7 @@ def config_dict(c: DraftConfig, dtype: str | None) -> dict[str, Any]:
         "num_aux_hidden_states": c.num_aux_states,
         "norm_before_residual": c.norm_before_residual,
         "fc_norm": c.fc_norm,
+        "norm_before_fc": c.norm_before_fc,
         "norm_output": c.norm_output,
         "torch_dtype": dtype,
     }
@@ -127,6 +135,8 @@ def config_dict(c: DraftConfig, dtype: str | None) -> dict[str, Any]:
             "eagle_aux_hidden_state_layer_ids": from_hf_ids(c.aux_layer_ids),
             "use_aux_hidden_state": True,
         }
+    if c.norm_before_fc:  # TensorRT-LLM reads it here only
+        out.setdefault("eagle_config", {})["norm_before_fc"] = True
     return out
 
 

@@ -49,6 +49,8 @@ def _non_default_aux(c: DraftConfig, num_target_layers: int | None) -> bool:
 
 
 SGLJAX_RUN = "run: make interop-sgljax"
+VLLM = "vllm 0.32.0 model_executor/models/llama_eagle3.py"
+VLLM_SPEC = "vllm 0.32.0 transformers_utils/configs/speculators"
 SGLANG = "read: sglang d737979 python/sglang/srt/models/llama_eagle3.py"
 OPTIONS = (
     DraftOption("norm_before_residual", "draft.norm_before_residual",
@@ -74,6 +76,22 @@ OPTIONS = (
                                  "over all states)"),
         "tensorrt-llm": Cell(True, "read: its Eagle3 config reads fc_norm, norm_output (formats.md, EAGLE-3.1)"),
         "eagle": Cell(False, "read: SafeAILab cnets.py has no such norm (formats.md, EAGLE-3.1)"),
+    }),
+    DraftOption("norm_before_fc", "draft.norm_before_fc", lambda c, n: c.norm_before_fc, {
+        "vllm": Cell(True, f"read: {VLLM}:184-188 (eagle_config, else top-level norm_before_fc), "
+                           "223-227 (input_norm), 405-407 (before fc); run: make interop, "
+                           "speculators 0.9.0, case norm-before-fc"),
+        "sglang": Cell(False, f"{SGLANG}:160-162 (fc on the raw aux states), 253-255 "
+                              "(load_weights skips input_norm.weight)"),
+        "sgl-jax": Cell(False, "read: srt/models/llama_eagle3.py:204-205 (fc on the raw aux "
+                               "states; no input_norm mapping)"),
+        "llama.cpp": Cell(True, "read: llama.cpp 11434 src/models/eagle3.cpp:33, 61-63, 131-133 "
+                                "(eagle3.norm_before_fc, enc.output_norm before fc); run: "
+                                "tests/test_gguf.py (as its converter writes input_norm.weight)"),
+        "tensorrt-llm": Cell(True, f"read: {TRTLLM} Eagle3DraftModel.__init__ (eagle_config."
+                                   "norm_before_fc only: input_norm), apply_eagle3_fc"),
+        "eagle": Cell(False, "read: SafeAILab eagle/model/cnets.py Model.forward (fc on the raw "
+                             "aux states; no input_norm)"),
     }),
     DraftOption("norm_output", "draft.norm_output", lambda c, n: c.norm_output, {
         "vllm": Cell(True, "run: make interop, speculators 0.9.0, case eagle3.1, 2 steps"),
@@ -116,14 +134,37 @@ OPTIONS = (
                                    "> 1: midlayer as a ModuleList)"),
         "eagle": Cell(False, "read: cnets.py has one midlayer (formats.md, eagle layout)"),
     }),
+    DraftOption("peagle", "draft.kind", lambda c, n: c.kind == "peagle", {
+        "vllm": Cell(True, f"read: {VLLM_SPEC}/algos.py:53-87 (update_peagle), base.py:133-134 "
+                           "(method eagle3, parallel_drafting); v1/spec_decode/"
+                           "llm_base_proposer.py:629 (one forward over the block)"),
+        "sglang": Cell(False, f"{SGLANG} (a token per forward; no mask_hidden); P-EAGLE is "
+                              "written as speculators only"),
+        "sgl-jax": Cell(False, "read: sgl-jax cddbf6f has no mask_hidden or parallel slots "
+                               "(grep of ../shared/vendor)"),
+        "llama.cpp": Cell(False, "read: llama.cpp 11434 has no mask_hidden or parallel slots "
+                                 "(grep of its sdist); eagle3 drafts a token per forward"),
+        "tensorrt-llm": Cell(False, f"read: {TRTLLM} Eagle3DraftModel has no mask_hidden; "
+                                    "P-EAGLE is written as speculators only"),
+        "eagle": Cell(False, "read: SafeAILab cnets.py drafts a token per forward"),
+    }),
+    DraftOption("peagle_fc_norm", "draft.fc_norm", lambda c, n: c.kind == "peagle" and c.fc_norm,
+                {**{e: Cell(False, "read: it serves no P-EAGLE draft (row above)")
+                    for e in ("sglang", "sgl-jax", "llama.cpp", "tensorrt-llm", "eagle")},
+                 "vllm": Cell(False, f"read: {VLLM_SPEC}/algos.py:53-87 (update_peagle copies "
+                                     "no fc_norm: the draft fails to load, 'no module or "
+                                     "parameter named fc_norm'); use norm_before_fc")}),
 )  # fmt: skip
 OPTION_TITLES = {
     "norm_before_residual": "`norm_before_residual`",
     "fc_norm": "`fc_norm` (EAGLE-3.1)",
+    "norm_before_fc": "`norm_before_fc` (one norm over all aux states)",
     "norm_output": "`norm_output` (EAGLE-3.1)",
     "aux_layer_ids": "non-default aux ids",
     "freeze_head": "a frozen head (`lm_head` = target rows)",
     "num_hidden_layers": "more than one layer",
+    "peagle": "a P-EAGLE draft (a block per forward)",
+    "peagle_fc_norm": "`fc_norm` on a P-EAGLE draft",
 }
 
 

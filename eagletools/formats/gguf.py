@@ -13,10 +13,13 @@ against its own `convert_hf_to_gguf.py --target-model-dir` by tests/test_gguf.py
   tensors are F32 whatever the output type, as llama.cpp's converter writes them.
 - eagle3 uses GGML's "normal" RoPE (adjacent pairs), Hugging Face rotates
   halves: q/k rows are reordered per head (`_rope_pairs`).
-- No q/k norms, one RMSNorm over the whole concatenated aux input
-  (`norm_before_fc`) rather than one per aux state, and the next draft step
-  always gets the pre-norm output: EAGLE-3.1's `fc_norm` and `norm_output`
-  and Qwen3-style `qk_norm` cannot be expressed and are refused.
+- `norm_before_fc` (one RMSNorm over the whole concatenated aux input, eps
+  rms_norm_eps) is honoured: key `eagle3.norm_before_fc`, tensor `enc.output_norm`
+  [3*Ht] (src/models/eagle3.cpp:33, 61-63, 131-133; its converter maps
+  `input_norm.weight` there, conversion/llama.py:238).
+- No q/k norms, no per-aux-state norms, and the next draft step always gets the
+  pre-norm output: EAGLE-3.1's `fc_norm` and `norm_output` and Qwen3-style
+  `qk_norm` cannot be expressed and are refused.
 - `eagle3.target_layers` must hold exactly 3 ids, in Hugging Face indexing (see
   `target_layers`).
 
@@ -50,6 +53,7 @@ LLAMACPP_BUILD = 11434
 TENSOR_NAMES = {
     "embed_tokens.weight": "token_embd.weight",
     "fc.weight": "fc.weight",
+    "input_norm.weight": "enc.output_norm.weight",  # norm_before_fc
     "midlayer.input_layernorm.weight": "blk.0.attn_norm.weight",
     "midlayer.hidden_norm.weight": "blk.0.attn_norm_2.weight",
     "midlayer.self_attn.q_proj.weight": "blk.0.attn_q.weight",
@@ -234,7 +238,7 @@ def _add_hparams(w: Any, config: DraftConfig, tensors: dict[str, torch.Tensor]) 
     w.add_array(f"{ARCH}.target_layers", target_layers(config))
     w.add_uint32(f"{ARCH}.target_hidden_size", config.target_hidden_size)
     w.add_bool(f"{ARCH}.norm_before_residual", config.norm_before_residual)
-    w.add_bool(f"{ARCH}.norm_before_fc", False)
+    w.add_bool(f"{ARCH}.norm_before_fc", config.norm_before_fc)
     w.add_type("model")
     w.add_block_count(1)
     w.add_context_length(config.max_position_embeddings)

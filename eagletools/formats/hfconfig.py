@@ -100,6 +100,40 @@ def aux_count(ids: list[int] | None, given: int | None = None) -> int:
     return len(ids) if ids else given or 3
 
 
+INPUT_NORM = "input_norm.weight"  # norm_before_fc's one norm (vLLM, speculators, llama.cpp)
+
+
+def input_norm_problem(
+    flag: bool, has_norm: bool, field: str, who: str = "vLLM"
+) -> tuple[str, str] | None:
+    """(what is wrong, the fix) when `norm_before_fc` as `who` reads it (from `field`) and
+    its tensor disagree, else None. vLLM 0.32.0 drops `input_norm.*` unless the flag is on
+    (models/llama_eagle3.py:464) and serves the draft without the norm, no error; the
+    speculators package runs a missing `input_norm` at its initial ones."""
+    if has_norm and not flag:
+        return (
+            f"the file holds {INPUT_NORM} but {field} is false or absent: read by {who}, "
+            "it is a draft without the norm (vLLM serves it so, with no error)",
+            f"set {field}: true (convert writes it for a draft trained with draft.norm_before_fc)",
+        )
+    if flag and not has_norm:
+        return (
+            f"{field} is true but the file has no {INPUT_NORM}: read by {who}, it needs a "
+            "norm the file lacks (vLLM refuses to load it, the speculators package runs it at "
+            "ones)",
+            f"set {field}: false if the draft was trained without it, else re-export it "
+            f"from the training checkpoint with its {INPUT_NORM}",
+        )
+    return None
+
+
+def check_input_norm(flag: bool, tensors: dict, field: str, source: str, who: str) -> None:
+    """Refuse a file whose `norm_before_fc` disagrees with its tensors (`input_norm_problem`)."""
+    problem = input_norm_problem(flag, INPUT_NORM in tensors, field, who)
+    if problem:
+        raise UserError(f"{source}: {problem[0]}; {problem[1]}")
+
+
 def read_json(path) -> dict[str, Any]:
     import json
 

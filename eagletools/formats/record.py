@@ -17,7 +17,13 @@ from typing import Any
 RECORD = "acceptance.json"
 RUN_METRICS = "metrics.json"  # the trainer's, beside final/
 # the trained options an engine may read otherwise (doctor's norm_before_residual check)
-TRAINED_FIELDS = ("norm_before_residual", "aux_layer_ids", "fc_norm", "norm_output")
+TRAINED_FIELDS = (
+    "norm_before_residual",
+    "aux_layer_ids",
+    "fc_norm",
+    "norm_before_fc",
+    "norm_output",
+)
 LENGTH = "simulated_acceptance_length"
 
 

@@ -2,20 +2,26 @@
 
 Same tensors as `eagle` with `layers.0.*` for `midlayer.*` (and `layers.{i}.*` for a
 later layer's `layer{i}.*`); `config.json` has
-`speculators_model_type: "eagle3"`, the decoder layer as a nested
+`speculators_model_type` (the draft's kind: `eagle3`, or `peagle` with
+`mask_token_id` and the tensor `mask_hidden` [1, 1, A*Ht]), the decoder layer as a nested
 `transformer_layer_config` (llama, or qwen3 with q/k norms) whose `vocab_size`
 is the target's, and top-level `eagle_aux_hidden_state_layer_ids` in Hugging
 Face indexing. Facts pinned from speculators 0.9.0 and vLLM (tests/test_formats.py):
-- `norm_before_residual` defaults to False in speculators but to True in vLLM:
-  always written; when absent we follow vLLM, the engine this format is for.
+- `norm_before_residual` defaults to False in speculators but to True in vLLM
+  (False for `peagle`): always written; when absent we follow vLLM, the engine
+  this format is for.
+- vLLM serves `peagle` as `eagle3` with `parallel_drafting` (one forward over the
+  block); its mapping (configs/speculators/algos.py `update_peagle`) copies no
+  `fc_norm` (such a draft does not load) and no `norm_output`.
 - speculators sizes `fc` as `num_aux * hidden_size` (it ignores
   `target_hidden_size`), so only vLLM loads drafts whose widths differ.
 - with draft vocab == target vocab it has no `d2t`/`t2d` buffers: not written.
 - `speculators_config.verifier.name_or_path` null: speculators cannot load it
   (it asks the hub for the config of None); vLLM does not need it.
-- EAGLE-3.1 (speculators >= 0.7): top-level `fc_norm` (tensors `fc_norm.{i}.weight`)
-  and `norm_output` are read and written; `norm_before_fc` (one norm over
-  the concatenation, the package's training default) is refused.
+- EAGLE-3.1 (speculators >= 0.7): top-level `fc_norm` (tensors `fc_norm.{i}.weight`),
+  `norm_before_fc` (one norm over the concatenation, tensor `input_norm.weight`;
+  the package's training default; it refuses both together) and `norm_output`
+  are read and written; vLLM reads them top-level too (configs/speculators/algos.py).
 - without `embed_tokens.weight` in the file, speculators 0.9.0 (transformers 5)
   keeps uninitialised memory: its NaN sentinel for "copy the verifier's" is
   lost in meta-device loading (seen in tests/interop), so write them for it.
@@ -34,17 +40,19 @@ from eagletools.errors import UserError
 from eagletools.formats import hfconfig
 from eagletools.formats.registry import WriteOptions
 from eagletools.formats.tensors import cast_floats, read_tensors, write_tensors
+from eagletools.kinds import KINDS
 
 log = logging.getLogger(__name__)
 
 NAME = "speculators"
 ONE_FILE = False
 CONFIG = "config.json"
-ARCHITECTURE = "Eagle3DraftModel"  # what speculators 0.9.0 save_pretrained writes
+# speculators_model_type -> vLLM's norm_before_residual when the field is absent
+# (configs/speculators/algos.py: update_eagle3 True, update_peagle False)
+MODEL_TYPES = {"eagle3": True, "peagle": False}
 SPECULATORS_VERSION = "0.9.0"
 LAYER_PREFIX = ("midlayer.", "layers.0.")
 LAYER_TYPES = {"llama": False, "qwen3": True}  # transformer_layer_config.model_type -> qk_norm
-UNSUPPORTED_FLAGS = ("norm_before_fc",)  # one norm over all aux states: not our draft's
 IGNORED_PREFIXES = ("verifier_",)  # verifier copies some versions keep; never the draft's own
 
 
@@ -76,17 +84,17 @@ def from_eagle_key(key: str) -> str:
 def read(folder: Path, allow_pickle: bool = False) -> tuple[DraftConfig, dict[str, torch.Tensor]]:
     source = str(folder / CONFIG)
     cfg = hfconfig.read_json(folder / CONFIG)
-    if cfg["speculators_model_type"] != "eagle3":
+    kind = cfg["speculators_model_type"]
+    if kind not in MODEL_TYPES:
         raise UserError(
-            f"{source}: field 'speculators_model_type' is {cfg['speculators_model_type']!r}; "
-            "eagletools reads only 'eagle3' speculators"
+            f"{source}: field 'speculators_model_type' is {kind!r}; eagletools reads "
+            f"{' and '.join(map(repr, MODEL_TYPES))} speculators"
         )
-    for flag in UNSUPPORTED_FLAGS:
-        if cfg.get(flag):
-            raise UserError(
-                f"{source}: field {flag!r} is true (one norm over the concatenated aux states); "
-                "eagletools' drafts use 'fc_norm' (one norm per aux state) instead"
-            )
+    if kind == "peagle" and not isinstance(cfg.get("mask_token_id"), int):
+        raise UserError(
+            f"{source}: field 'mask_token_id' is {cfg.get('mask_token_id')!r}; a peagle draft "
+            "needs the id of the token its parallel slots take (vLLM fails to load it without)"
+        )
     layer = cfg.get("transformer_layer_config")
     if not isinstance(layer, dict):
         raise UserError(f"{source}: missing field 'transformer_layer_config' (the decoder layer)")
@@ -104,19 +112,25 @@ def read(folder: Path, allow_pickle: bool = False) -> tuple[DraftConfig, dict[st
     fields = hfconfig.read_layer_fields(layer, f"{source}: transformer_layer_config")
     if "norm_before_residual" not in cfg:
         log.warning(
-            "%s: no 'norm_before_residual'; assuming true as vLLM does (the speculators "
-            "package assumes false): re-export with the field set",
-            source,
-        )
+            "%s: no 'norm_before_residual'; assuming %s as vLLM does for %s drafts: "
+            "re-export with the field set",
+            source, str(MODEL_TYPES[kind]).lower(), kind,
+        )  # fmt: skip
     ids = cfg.get("eagle_aux_hidden_state_layer_ids") or None
     fields.update(
         draft_vocab_size=cfg.get("draft_vocab_size") or fields["vocab_size"],
         target_hidden_size=cfg.get("target_hidden_size") or fields["hidden_size"],
         aux_layer_ids=list(ids) if ids else None,
-        norm_before_residual=bool(cfg.get("norm_before_residual", True)),
+        norm_before_residual=bool(cfg.get("norm_before_residual", MODEL_TYPES[kind])),
         fc_norm=bool(cfg.get("fc_norm", False)),
+        norm_before_fc=bool(cfg.get("norm_before_fc", False)),
         norm_output=bool(cfg.get("norm_output", False)),
         qk_norm=LAYER_TYPES[layer_type],
+        kind=kind,
+        mask_token_id=cfg.get("mask_token_id") if kind == "peagle" else None,
+    )
+    hfconfig.check_input_norm(
+        fields["norm_before_fc"], tensors, "norm_before_fc", source, "vLLM and speculators"
     )
     fields["num_aux_states"] = hfconfig.aux_count(ids)
     spec = cfg.get("speculators_config") or {}
@@ -137,23 +151,26 @@ def config_dict(
         **hfconfig.write_layer_fields(c),
     }
     verifier = verifier or c.extra.get("verifier") or {"name_or_path": None, "architectures": []}
+    kind = KINDS[c.kind]
+    parallel = {"mask_token_id": c.mask_token_id} if c.kind == "peagle" else {}
     return {
-        "architectures": [ARCHITECTURE],
-        "speculators_model_type": "eagle3",
+        "architectures": [kind.architectures[NAME][0]],
+        "speculators_model_type": c.kind,
+        **parallel,
         "speculators_version": SPECULATORS_VERSION,
         "transformer_layer_config": layer,
         "draft_vocab_size": c.draft_vocab_size,
         "norm_before_residual": c.norm_before_residual,
         "target_hidden_size": c.target_hidden_size,
         "eagle_aux_hidden_state_layer_ids": c.aux_layer_ids,
-        "norm_before_fc": False,
+        "norm_before_fc": c.norm_before_fc,
         "fc_norm": c.fc_norm,
         "norm_output": c.norm_output,
         "embed_requires_grad": False,
         "tie_word_embeddings": False,
         "dtype": dtype,
         "speculators_config": {
-            "algorithm": "eagle3",
+            "algorithm": c.kind,
             "proposal_methods": [
                 {
                     "proposal_type": "greedy",

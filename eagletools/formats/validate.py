@@ -1,6 +1,6 @@
 """Checks a checkpoint's tensors against its config, and a draft against a target.
 
-The expected keys and shapes come from `Eagle3Draft` itself (built on the
+The expected keys and shapes come from the draft module of its kind itself (built on the
 meta device), so the format code never restates the architecture.
 """
 
@@ -11,9 +11,10 @@ from typing import Any
 
 import torch
 
-from eagletools.draft import DraftConfig, Eagle3Draft
+from eagletools.draft import DraftConfig
 from eagletools.draft.model import meta_device
 from eagletools.errors import UserError
+from eagletools.kinds import kind_of
 from eagletools.targets import default_aux_layer_ids, normalize_rope_scaling
 from eagletools.vocab import DraftVocab
 
@@ -24,7 +25,7 @@ VOCAB_KEYS = {"d2t", "t2d"}
 def expected_tensors(config: DraftConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """`eagle` key -> (shape, dtype) of a draft with this config."""
     with meta_device():
-        model = Eagle3Draft(config)
+        model = kind_of(config).build(config)
     return {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
 
 

@@ -21,6 +21,7 @@ import yaml
 from eagletools.data.jobs import RegenerationSettings
 from eagletools.dtypes import dtype_name
 from eagletools.errors import UserError
+from eagletools.kinds import KINDS
 
 if TYPE_CHECKING:
     from eagletools.data.conversations import HubOptions
@@ -121,8 +122,11 @@ class VocabSection:
 
 @dataclass
 class DraftSection:
+    kind: str = "eagle3"  # eagle3 (a forward per drafted token) or peagle (a block in one)
+    mask_token_id: int | None = None  # peagle: its slots' token (None: the target's last id)
     norm_before_residual: bool = False
     fc_norm: bool = False  # EAGLE-3.1 per-aux-state norms before `fc`
+    norm_before_fc: bool = False  # one norm over all aux states before `fc` (not with fc_norm)
     norm_output: bool = False  # EAGLE-3.1: later steps take the normed output
     init_head_from_target: bool = True  # start norm/lm_head as the target's rows
     freeze_head: bool = False  # lm_head = the target's rows of the draft vocab, frozen;
@@ -135,8 +139,10 @@ class DraftSection:
     def options(self) -> dict[str, bool]:
         """Which of the options `formats.engines` tracks this draft uses, by config name."""
         return {"norm_before_residual": self.norm_before_residual, "fc_norm": self.fc_norm,
+                "norm_before_fc": self.norm_before_fc,
                 "norm_output": self.norm_output, "freeze_head": self.freeze_head,
-                "num_hidden_layers": self.num_hidden_layers > 1}  # fmt: skip
+                "num_hidden_layers": self.num_hidden_layers > 1, "peagle": self.kind == "peagle",
+                "peagle_fc_norm": self.kind == "peagle" and self.fc_norm}  # fmt: skip
 
     def checks(self) -> list[Check]:
         return [
@@ -146,6 +152,10 @@ class DraftSection:
             (self.intermediate_size is None or self.intermediate_size >= 1,
              "draft.intermediate_size", "must be positive (or null: the target's)"),
             (self.num_hidden_layers >= 1, "draft.num_hidden_layers", "must be at least 1"),
+            (not (self.norm_before_fc and self.fc_norm), "draft.norm_before_fc",
+             "cannot be true with draft.fc_norm (one norm over all aux states, or one per "
+             "state; speculators refuses both): set one of them to false"),
+            (self.kind in KINDS, "draft.kind", f"must be one of {', '.join(KINDS)}"),
         ]  # fmt: skip
 
 

@@ -22,10 +22,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from eagletools.atomic import write_text
 from eagletools.compiling import require_cpu_compiler
 from eagletools.errors import UserError
+from eagletools.kinds import KINDS
 from eagletools.train import checkpoint as ckpt
 from eagletools.train.data import (
     ArgmaxMemo,
@@ -44,7 +46,7 @@ from eagletools.train.inputs import (
 )
 from eagletools.train.recipe import TrainConfig, dump_config, saved_config
 from eagletools.train.schedule import Schedule, time_budget
-from eagletools.train.ttt import StepStats, TTTModel, step_counts, summarize, teacher_targets
+from eagletools.train.ttt import StepStats, step_counts, summarize, teacher_targets
 from eagletools.vocab import run_vocab, save_run_vocab
 
 log = logging.getLogger(__name__)
@@ -164,21 +166,23 @@ class Trainer:
             num_samples=len(counted), counted_by=v.count,
         )  # fmt: skip
 
-    def _setup_model(self) -> TTTModel:
-        """The draft, sized and initialised from the target, in its training-time-test unroll."""
-        from eagletools.draft import Eagle3Draft
-
+    def _setup_model(self) -> nn.Module:
+        """The draft, sized and initialised from the target, in its kind's objective (for
+        EAGLE-3 the training-time-test unroll)."""
         d, t, head_model = self.config.draft, self.config.training, self.inputs.head_model
-        draft = Eagle3Draft.from_target(
+        kind = KINDS[d.kind]
+        draft = kind.from_target(
             head_model,
             self.vocab,
             aux_layer_ids=self.inputs.aux_layer_ids,
             init_head_from_target=d.init_head_from_target,
             norm_before_residual=d.norm_before_residual,
             fc_norm=d.fc_norm,
+            norm_before_fc=d.norm_before_fc,
             norm_output=d.norm_output,
             intermediate_size=d.intermediate_size or head_model.config.intermediate_size,
             num_hidden_layers=d.num_hidden_layers,
+            mask_token_id=d.mask_token_id,
         )
         # frozen, so kept in the target's dtype: `from_target` widens a bf16 target's rows to
         # fp32, the same values in twice the bytes (1 GB a process at Llama-3.1-8B's 525M)
@@ -187,9 +191,9 @@ class Trainer:
             with torch.no_grad():
                 draft.lm_head.weight.copy_(self.inputs.lm_head_weight[self.vocab.selected])
             draft.lm_head.weight.requires_grad_(False)
-        return TTTModel(draft, t.ttt_steps, t.ttt_decay, t.attn_chunk, t.train_oov)
+        return kind.objective(draft, t)
 
-    def _setup_optimizer(self, model: TTTModel) -> None:
+    def _setup_optimizer(self, model: nn.Module) -> None:
         """AdamW (or Muon and AdamW) over the trainable weights; accelerate wraps model and
         optimizer together."""
         from eagletools.devices import fast_matmul_dtype
@@ -254,8 +258,8 @@ class Trainer:
 
         return time_budget(t, time.perf_counter() - started, held_out, mean)
 
-    def _unwrapped(self) -> TTTModel:
-        """The TTT model without DDP/FSDP or compile wrappers (eager)."""
+    def _unwrapped(self) -> nn.Module:
+        """The kind's objective without DDP/FSDP or compile wrappers (eager)."""
         return self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
 
     # -- state -------------------------------------------------------------
@@ -510,17 +514,18 @@ class Trainer:
         del last
 
     def _write_final(self, tensors: dict[str, torch.Tensor], held_out: dict[str, Any]) -> None:
-        """The deployable draft in the `eagle` format, with d2t/t2d, and the acceptance its
+        """The deployable draft in its kind's layout (EAGLE-3: `eagle`), with d2t/t2d, and the acceptance its
         held-out pass recorded, which `doctor` holds a converted copy against."""
         from eagletools.formats import Checkpoint, save_checkpoint
         from eagletools.formats.checks import read_draft, static_findings
         from eagletools.formats.record import RECORD, record_from_metrics, record_text
 
         record = record_from_metrics(held_out, self.draft.config.to_dict())
+        layout = KINDS[self.draft.config.kind].layouts[0]
         final = save_checkpoint(
-            Checkpoint("eagle", self.draft.config, tensors, str(self.out / "checkpoints")),
+            Checkpoint(layout, self.draft.config, tensors, str(self.out / "checkpoints")),
             self.out / "final",
-            "eagle",
+            layout,
             overwrite=True,
             extra_files={RECORD: record_text(record)} if record else None,
         )

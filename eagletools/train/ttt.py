@@ -242,6 +242,15 @@ class TTTModel(nn.Module):
             for name in names:
                 register_fsdp_forward_method(module, name)
 
+    def step_inputs(
+        self, j: int, input_ids: torch.Tensor, hidden: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step j's token embeddings and hidden [B,T,H] from the input ids [B,T] and the
+        hidden step j-1 handed on (at step 0 the fused aux states): EAGLE-3 feeds each
+        step the next token and the previous step's output."""
+        embeds = self.draft.embed_tokens(_shift(input_ids, 1 + j)).to(hidden.dtype)
+        return embeds, hidden
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -285,8 +294,7 @@ class TTTModel(nn.Module):
         loss = hidden.new_zeros((), dtype=torch.float32)
         sums, hits, masks = [], [], []
         for j in range(steps or self.steps):
-            ids = _shift(input_ids, 1 + j)
-            embeds = draft.embed_tokens(ids).to(hidden.dtype)
+            embeds, hidden = self.step_inputs(j, input_ids, hidden)
             cos, sin = draft.rope(positions + j, hidden.dtype)
             q, k, v, residual = draft.midlayer.qkv(embeds, hidden, cos, sin)
             out = draft.midlayer.finish(attend(0, q, k, v), residual)

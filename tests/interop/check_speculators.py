@@ -70,8 +70,21 @@ def check_pinned_facts() -> None:
     )
     # fc is sized from hidden_size alone: target_hidden_size != hidden_size does not load here
     assert Eagle3DraftModel(config).fc.in_features == 3 * 64
+    # norm_before_fc: off by default, one `input_norm` [A*H], refused with fc_norm
+    assert fields["norm_before_fc"].default is False
+    kwargs = dict(transformer_layer_config=layer, draft_vocab_size=100,
+                  eagle_aux_hidden_state_layer_ids=[1, 2, 3])  # fmt: skip
+    model = Eagle3DraftModel(Eagle3SpeculatorConfig(**kwargs, norm_before_fc=True))
+    assert model.input_norm.weight.shape == (3 * 64,) and "input_norm.weight" in model.state_dict()
+    try:
+        Eagle3SpeculatorConfig(**kwargs, norm_before_fc=True, fc_norm=True)
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("norm_before_fc with fc_norm accepted: update DraftConfig.validate")
     print(
-        "pinned facts hold: norm_before_residual defaults to False; fc ignores target_hidden_size"
+        "pinned facts hold: norm_before_residual defaults to False; fc ignores target_hidden_size; "
+        "norm_before_fc is one input_norm, refused with fc_norm"
     )
 
 

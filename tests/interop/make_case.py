@@ -40,6 +40,10 @@ CASES = {
     "qwen3": dict(target=dict(model_type="qwen3", head_dim=16), draft=dict(qk_norm=True)),
     # EAGLE-3.1: per-aux-state norms before fc (step 0 sees them; norm_output acts from step 1)
     "eagle3.1": dict(target=dict(model_type="llama"), draft=dict(fc_norm=True, norm_output=True)),
+    # one norm over the concatenated aux states (speculators' training default, `input_norm`)
+    "norm-before-fc": dict(
+        target=dict(model_type="llama"), draft=dict(norm_before_fc=True, norm_before_residual=True)
+    ),
     # a plain Llama layer after the EAGLE-3 one (speculators' --num-layers 2): its keys are
     # layers.1.*, and across TTT steps it attends over its own K/V of each step
     "two-layers": dict(

@@ -1,0 +1,87 @@
+"""The interface every draft kind implements (`eagletools.kinds`)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from eagletools.draft import DraftConfig
+
+if TYPE_CHECKING:
+    from eagletools.decode.tree import DraftStep, Tree
+
+
+@dataclass(frozen=True)
+class Drafter:
+    """The decoder's draft and its forwards, which a kind's `propose` composes.
+
+    `step(j, tokens, hidden, rows)`: one forward over a tree's frontier at depth j
+    (`decode.tree.DraftStep`). `block(tokens [n], hidden [n, H])`: one forward over
+    n rows after the root, each seeing the context and the rows before it (a
+    parallel draft's slots) -> (draft logits [n, Vd], hidden [n, H]).
+    """
+
+    draft: nn.Module
+    step: DraftStep
+    block: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+class DraftKind(ABC):
+    """One kind of draft: its module, its training objective, how it proposes."""
+
+    name: str  # the config's `kind`
+    title: str  # for tables and messages
+    # per checkpoint layout: the `architectures` values engines build this kind from,
+    # the one this layout writes first
+    architectures: Mapping[str, tuple[str, ...]]
+    layouts: tuple[str, ...]  # the layouts an engine serves it from, the trainer's first
+    # the (topk, depth, num_draft_tokens) shapes a tune times beside plain decoding
+    shapes: tuple[tuple[int, int, int], ...]
+
+    @abstractmethod
+    def module(self) -> type[nn.Module]:
+        """The draft's module class: built from a `DraftConfig`, its state dict the
+        checkpoint's tensors."""
+
+    def build(self, config: DraftConfig) -> nn.Module:
+        return self.module()(config)
+
+    def from_target(self, model: nn.Module, draft_vocab: Any = None, **fields: Any) -> nn.Module:
+        """A fresh draft sized from a Hugging Face target (`Eagle3Draft.from_target`),
+        checked as this kind's (`validate`)."""
+        draft = self.module().from_target(model, draft_vocab, **fields)
+        self.validate(draft.config, "the recipe's draft section")
+        return draft
+
+    @abstractmethod
+    def objective(self, draft: nn.Module, training: Any) -> nn.Module:
+        """The module the trainer optimises, set by `training` (the recipe's
+        `TrainingSection`): `forward(input_ids, aux, loss_mask,
+        teacher_probs, target_argmax, norm, steps, train_oov, documents)` ->
+        (loss, `train.ttt.StepStats`), its `draft` the draft."""
+
+    @abstractmethod
+    def propose(
+        self,
+        drafter: Drafter,
+        root: int | torch.Tensor,
+        logits: torch.Tensor,
+        hidden: torch.Tensor,
+        d2t: torch.Tensor | None,
+        topk: int,
+        depth: int,
+        num_draft_tokens: int,
+    ) -> Tree:
+        """The tree a speculative step verifies under `root`, `depth` tokens deep with
+        `topk` children per expanded node and `num_draft_tokens` nodes (root included),
+        from the draft's output at the root (`logits` [Vd], `hidden` [H]); no value is
+        read back to the host, so the step can be queued or compiled whole."""
+
+    @abstractmethod
+    def validate(self, config: DraftConfig, source: str) -> None:
+        """Refuse a config this kind cannot run (naming the field and the fix)."""
