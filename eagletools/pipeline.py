@@ -4,7 +4,7 @@ Each stage writes its output atomically and is skipped when that output
 exists, so a second run repeats no finished work, and an interrupted training
 stage resumes from its last checkpoint. Layout of the run folder:
 
-    train/          training run (checkpoints, metrics.json, final/ in eagle format)
+    train/          training run (checkpoints, metrics.json, final/ in its kind's first layout)
     eagle/          the draft for SGLang, SpecForge, TensorRT-LLM, EAGLE
     speculators/    the draft for vLLM
     draft.gguf      the draft for llama.cpp (when eval.engines names it)
@@ -56,8 +56,16 @@ def _questions(bench: str, n: int) -> list[Question]:
     return load_benchmark(bench, n)
 
 
-# the draft formats every run writes; an engine's stages add the one it loads
+# the draft formats every run writes (those its draft kind has); an engine's stages add
+# the one it loads
 ALWAYS = ("eagle", "speculators")
+
+
+def written(config: TrainConfig) -> tuple[str, ...]:
+    """The formats of ALWAYS the recipe's draft kind can be written in; ours runs the first."""
+    from eagletools.kinds import KINDS
+
+    return tuple(f for f in ALWAYS if f in KINDS[config.draft.kind].layouts)
 
 
 def draft_path(out: Path, fmt: str) -> Path:
@@ -96,14 +104,14 @@ def stages(config: TrainConfig, out: Path) -> list[Stage]:
         def run() -> None:
             from eagletools.eval.runner import evaluate
 
-            settings = eval_settings(config, device, bench, draft_path(out, "eagle"))
+            settings = eval_settings(config, device, bench, draft_path(out, written(config)[0]))
             evaluate(settings, questions[bench], out / "eval" / bench_name(bench))
 
         return run
 
     return [
         Stage("train", train_dir / "metrics.json", train),
-        *(Stage(f"convert {fmt}", draft_path(out, fmt), to_format(fmt)) for fmt in ALWAYS),
+        *(Stage(f"convert {fmt}", draft_path(out, fmt), to_format(fmt)) for fmt in written(config)),
         Stage("doctor", out / "doctor.json", lambda: check_drafts(config, out)),
         *(
             Stage(f"eval {b}", out / "eval" / bench_name(b) / "results.json", evaluation(b))
@@ -125,7 +133,7 @@ def check_drafts(config: TrainConfig, out: Path) -> None:
 
     target = config.target.spec
     reports = {}
-    for fmt in ALWAYS:
+    for fmt in written(config):
         engines = [e for e in config.eval.engines if fmt in ENGINES[e].draft_formats]
         reports[fmt] = doctor(draft_path(out, fmt), target, engines)
         log.info("%s", render(reports[fmt]))
@@ -187,9 +195,13 @@ def engine_stages(
         return []
     from eagletools.engines import ENGINES, OURS
     from eagletools.formats.convert import convert
+    from eagletools.kinds import KINDS
 
     bench = next(iter(questions))
-    formats = {OURS: "eagle"} | {name: ENGINES[name].draft_formats[0] for name in engines}
+    formats = {OURS: written(config)[0]} | {
+        name: next(f for f in ENGINES[name].draft_formats if f in KINDS[config.draft.kind].layouts)
+        for name in engines
+    }
     depth = config.eval.engine_depth
     folders = {OURS: "ours-chain"} | {name: name for name in engines}
 
@@ -215,7 +227,7 @@ def engine_stages(
     return [
         *(
             Stage(f"convert {fmt}", draft_path(out, fmt), to_format(fmt))
-            for fmt in sorted(set(formats.values()) - set(ALWAYS))
+            for fmt in sorted(set(formats.values()) - set(written(config)))
         ),
         *(
             Stage(f"{bench} in {name}", out / "engines" / folder / "results.json", evaluation(name))

@@ -65,7 +65,7 @@ KNOWN_MODULES = {"sglang.launch_server", "sgl_jax.launch_server"}
 KNOWN_SCRIPTS = {"convert_hf_to_gguf.py"}  # llama.cpp's converter, its flags as of build 11434
 # speculative_config fields of vLLM's SpeculativeConfig that the docs may use
 VLLM_SPEC_KEYS = {"method", "model", "num_speculative_tokens", "draft_tensor_parallel_size",
-                  "max_model_len", "revision", "quantization"}  # fmt: skip
+                  "max_model_len", "revision", "quantization", "parallel_drafting"}  # fmt: skip
 REPO_PATH = re.compile(r"^(recipes|docs|benchmarks|tests)/\S+$")
 
 

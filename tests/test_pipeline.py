@@ -213,3 +213,19 @@ def test_a_draft_doctor_finds_faulty_stops_the_pipeline_before_evaluation(
     with pytest.raises(UserError, match="speculators would be served wrongly"):
         doctor_stage.run()
     assert not (out / "doctor.json").exists()
+
+
+def test_a_peagle_pipeline_writes_and_evaluates_the_speculators_layout(tmp_path, monkeypatch):
+    """A P-EAGLE draft has one layout (speculators, vLLM's): the pipeline converts to it
+    alone and our decoder evaluates it; an engine that serves no P-EAGLE is refused first."""
+    import eagletools.pipeline as pipeline
+
+    monkeypatch.setattr(pipeline, "installed_engines", lambda config: ["vllm"])
+    config = load_config(overrides=["draft.kind=peagle", "eval.engines=[vllm]"])
+    names = [s.name for s in pipeline.stages(config, tmp_path / "run")]
+    assert names[:3] == ["train", "convert speculators", "doctor"]
+    assert not any("eagle" in n.split() for n in names)  # no eagle-layout stage
+    monkeypatch.setattr(pipeline, "run_stages", lambda *a, **k: pytest.fail("stages ran"))
+    both = load_config(overrides=["draft.kind=peagle", "eval.engines=[vllm, llama.cpp]"])
+    with pytest.raises(UserError, match=r"eval.engines: llama.cpp .*ignores peagle"):
+        pipeline.run_pipeline(both, tmp_path / "other")
