@@ -189,6 +189,8 @@ def test_the_option_table_serves_p_eagle_from_vllm_only_and_without_fc_norm():
 
 
 def test_a_peagle_recipe_trains_and_writes_a_speculators_draft(tmp_path):
+    import json
+
     from test_train import run, tiny_config
 
     from eagletools.formats import detect_format, load_checkpoint
@@ -201,6 +203,8 @@ def test_a_peagle_recipe_trains_and_writes_a_speculators_draft(tmp_path):
     ckpt = load_checkpoint(final)
     assert ckpt.config.kind == "peagle"
     assert ckpt.config.mask_token_id == ckpt.config.vocab_size - 1  # the default
+    spec = json.loads((final / "config.json").read_text())["speculators_config"]
+    assert spec["proposal_methods"][0]["speculative_tokens"] == 3  # the trained block
     torch.testing.assert_close(ckpt.tensors["mask_hidden"].float(), trainer.draft.mask_hidden)
     assert 1.0 <= result["simulated_acceptance_length"] <= 5.0
 
@@ -221,3 +225,25 @@ def test_vllm_drafts_a_peagle_block_in_one_forward(monkeypatch, kind):
     spec = json.loads(argv[argv.index("--speculative-config") + 1])
     expected = {"method": "eagle3", "model": "d", "num_speculative_tokens": 4}
     assert spec == expected | ({"parallel_drafting": True} if kind == "peagle" else {})
+
+
+@torch.inference_mode()
+def test_compiled_parallel_drafting_equals_compiled_plain_decoding_in_bf16():
+    """The block's one forward inside the compiled step (`compile_frozen`), a tree of
+    each depth's top 2: the same tokens as compiled plain decoding in bf16."""
+    from conftest import smollm2_shaped
+
+    from eagletools.decode.model import compiled
+
+    model = smollm2_shaped()
+    runtime = Transformer.from_hf(model, torch.bfloat16)
+    runtime.set_exact(True)
+    plain = BaselineDecoder(runtime, None, forward=compiled(runtime))
+    spec = SpeculativeDecoder(runtime, repeat_peagle(model), None, 2, 4, 8, compile=True)
+    taus = []
+    for prompt in ([5, 9, 200, 17, 3, 250], list(range(10, 40))):
+        expected = plain.generate(prompt, 40)
+        got = spec.generate(prompt, 40)
+        assert got.tokens == expected.tokens
+        taus.append(got.tau)
+    assert max(taus) > 1.1

@@ -31,6 +31,8 @@ class PEagle(DraftKind):
         from eagletools.train.parallel import ParallelModel
 
         t = training
+        # the block it learns is the block vLLM drafts (speculators' speculative_tokens)
+        draft.config.extra["speculative_tokens"] = t.ttt_steps
         return ParallelModel(draft, t.ttt_steps, t.ttt_decay, t.attn_chunk, t.train_oov)
 
     def propose(

@@ -1,7 +1,10 @@
 """Interop step 2 (speculators venv): load each converted checkpoint with the real client,
 `speculators.models.eagle3.Eagle3DraftModel.from_pretrained`, run step 0 (and two
 training-time-test steps) on the inputs of make_case.py, and compare draft-vocab logits
-with ours (fp32, must agree to 1e-5).
+with ours (fp32, must agree to 1e-5). A P-EAGLE case (one with `mask_hidden`) loads through
+`SpeculatorModel.from_pretrained`, which must pick `PEagleDraftModel`; its training forward
+runs on the same inputs and lm_head's output at each sampled (anchor, depth) is compared with
+our unroll's step `depth` at `anchor`.
 """
 
 from __future__ import annotations
@@ -43,6 +46,106 @@ def their_logits(folder: Path, case: dict, ttt_steps: int = 1) -> torch.Tensor:
             ttt_steps=ttt_steps,
         )
     return torch.stack(captured) if ttt_steps > 1 else captured[0]
+
+
+def their_block_logits(folder: Path, case: dict, cod: bool = False, attn: str | None = None):
+    """speculators' P-EAGLE training forward over the case's inputs (its `input_ids[i]` is the
+    token after the one whose aux states are `hidden_states[i]`, as in the eagle3 cases): the
+    logits it computes for each sampled slot -> (logits [N,Vd], anchor [N], depth [N]).
+
+    The slots are every depth-0 one plus the case's anchors' whole blocks, or with `cod` what
+    its COD sampler draws (seeded; every anchor is a seed, and a chain at anchor -1, its
+    index-0 quirk, has no counterpart here and is left out). `attn` replaces the package's
+    flex attention with another transformers implementation, fed its dense float mask."""
+    from speculators.losses import resolve_loss_config
+    from speculators.model import SpeculatorModel
+    from speculators.models.peagle import PEagleDraftModel, PEagleSpeculatorConfig, core
+
+    kwargs = {}
+    if attn is not None:
+        config = PEagleSpeculatorConfig.from_pretrained(str(folder))
+        config.transformer_layer_config._attn_implementation = attn
+        kwargs["config"] = config
+    model = SpeculatorModel.from_pretrained(str(folder), dtype=torch.float32, **kwargs).eval()
+    assert type(model) is PEagleDraftModel, type(model)
+    check_peagle_loaded(model, folder, case)
+    ids, depths = case["input_ids"], len(case["ttt_logits"])
+    anchors = case["anchors"]
+    sampler, sampled, captured = core.generate_cod_sample_indices, [], []
+
+    def chosen(seq_length: int, **_) -> tuple[torch.Tensor, torch.Tensor]:
+        anchor = torch.cat([torch.arange(seq_length), anchors.repeat_interleave(depths - 1)])
+        depth = torch.cat([torch.zeros(seq_length, dtype=torch.long),
+                           torch.arange(1, depths).repeat(len(anchors))])  # fmt: skip
+        return anchor, depth
+
+    def record(**kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        sampled.append((sampler if cod else chosen)(**kwargs))
+        return sampled[-1]
+
+    model.lm_head.register_forward_hook(lambda mod, args, out: captured.append(out))
+    core.generate_cod_sample_indices = record
+    torch.manual_seed(0)
+    try:
+        with torch.no_grad():
+            model(
+                hidden_states=case["aux"],
+                input_ids=ids,
+                document_ids=torch.zeros_like(ids),
+                loss_mask=torch.ones(ids.shape),
+                verifier_last_hidden_states=torch.zeros(*ids.shape, model.hidden_size),
+                loss_config=resolve_loss_config("kl_div", "eager"),  # fused needs Triton
+                num_depths=depths,
+                down_sample_ratio=1.0,
+                down_sample_ratio_min=1.0,
+            )
+    finally:
+        core.generate_cod_sample_indices = sampler
+    (anchor, depth), logits = sampled[0], captured[0][0]
+    keep = anchor >= 0
+    assert depth.max() == depths - 1, "no full block sampled"
+    return logits[keep], anchor[keep], depth[keep]
+
+
+def check_peagle_loaded(model, folder: Path, case: dict) -> None:
+    """The config and tensors speculators loaded are the ones written: the type and
+    mask token, norm_before_residual as in config.json, and every tensor of the file (its
+    loader lets `mask_hidden`, `input_norm.weight` and `embed_tokens` go missing
+    silently, re-initialised)."""
+    written = json.loads((folder / "config.json").read_text())
+    config = model.config
+    assert config.speculators_model_type == "peagle", config.speculators_model_type
+    assert config.mask_token_id == model.mask_token_id == int(case["mask_token_id"])
+    assert config.norm_before_residual is written["norm_before_residual"] is True
+    assert model.layers[0].norm_before_residual is True
+    assert config.norm_before_fc is written["norm_before_fc"] and model.input_norm is not None
+    tensors = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        tensors |= load_file(str(file))
+    state = model.state_dict()
+    assert torch.equal(model.mask_hidden.detach(), case["mask_hidden"]), "mask_hidden"
+    assert torch.equal(tensors["mask_hidden"], case["mask_hidden"])
+    own = {k for k in state if not k.startswith("verifier_")}
+    assert own == set(tensors), sorted(own ^ set(tensors))
+    for key, value in tensors.items():
+        assert torch.equal(state[key], value), key
+
+
+def check_peagle(case_dir: Path, case: dict) -> float:
+    """Ours vs speculators' PEagleDraftModel on the case's blocks (flex attention, then eager)
+    and on a COD draw; per depth, the max abs difference of the draft-vocab logits."""
+    worst = 0.0
+    for label, cod, attn in (("blocks", False, None), ("blocks, eager", False, "eager"),
+                             ("COD draw", True, None)):  # fmt: skip
+        theirs, anchor, depth = their_block_logits(case_dir / "draft", case, cod, attn)
+        ours = case["ttt_logits"][depth, 0, anchor]
+        diff = (theirs - ours).abs().amax(-1)
+        per_depth = [diff[depth == d].max().item() for d in range(len(case["ttt_logits"]))]
+        counts = torch.bincount(depth).tolist()
+        worst = max(worst, *per_depth)
+        print(f"{case_dir.name} ({label}): slots per depth {counts}, max abs diff per depth "
+              f"{[f'{d:.3g}' for d in per_depth]}")  # fmt: skip
+    return worst
 
 
 def check_pinned_facts() -> None:
@@ -93,6 +196,9 @@ def main(root: Path) -> int:
     worst = 0.0
     for case_dir in sorted(p for p in root.iterdir() if (p / "case.safetensors").is_file()):
         case = load_file(str(case_dir / "case.safetensors"))
+        if "mask_hidden" in case:  # P-EAGLE
+            worst = max(worst, check_peagle(case_dir, case))
+            continue
         theirs = their_logits(case_dir / "draft", case)
         diff = (theirs - case["logits"]).abs().max().item()
         worst = max(worst, diff)

@@ -2,7 +2,11 @@
 and our module's draft-vocab logits on random inputs, all written under OUT.
 
 Step 2 (tests/interop/check_speculators.py, in the speculators venv) loads the
-converted checkpoint with `Eagle3DraftModel.from_pretrained` and compares.
+converted checkpoint with `Eagle3DraftModel.from_pretrained` and compares. A `peagle`
+case is a P-EAGLE draft, loaded there by `PEagleDraftModel`; its expectation is our
+`ParallelModel` unroll, every depth at every anchor.
+
+`make_case.py OUT [NAME ...]` makes the cases named (default: all).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from test_formats import save_target_folder  # noqa: E402
 
 from eagletools.cli import main as cli
-from eagletools.draft import DraftKVCache, Eagle3Draft
+from eagletools.draft import DraftKVCache, Eagle3Draft, PEagleDraft
 from eagletools.formats import Checkpoint, load_draft, save_checkpoint
 from eagletools.targets import load_target
 from eagletools.vocab import DraftVocab
@@ -49,6 +53,12 @@ CASES = {
     "two-layers": dict(
         target=dict(model_type="llama"), draft=dict(norm_before_residual=True, num_hidden_layers=2)
     ),
+    # P-EAGLE as speculators' CLI trains it (qwen3 layer, norm_before_residual), with
+    # norm_before_fc so that mask_hidden goes through a non-unit input_norm before fc
+    "peagle": dict(
+        target=dict(model_type="qwen3", head_dim=16), kind=PEagleDraft, depths=4,
+        draft=dict(qk_norm=True, norm_before_residual=True, norm_before_fc=True),
+    ),
 }  # fmt: skip
 
 
@@ -75,7 +85,10 @@ def our_step0(draft: Eagle3Draft, aux, input_ids, positions) -> tuple[torch.Tens
 
 def our_ttt_logits(draft: Eagle3Draft, aux, input_ids, steps: int = 2) -> torch.Tensor:
     """The first `steps` training-time-test steps (teacher-forced ids, each step's hidden
-    carried to the next: where `norm_output` acts), their draft-vocab logits [steps,B,T,Vd]."""
+    carried to the next: where `norm_output` acts), their draft-vocab logits [steps,B,T,Vd].
+    For a `PEagleDraft`, P-EAGLE's unroll: step j at t is depth j of the block anchored at t
+    (the mask token and `mask_hidden` from step 1)."""
+    from eagletools.train.parallel import ParallelModel
     from eagletools.train.ttt import TTTModel
 
     captured = []
@@ -87,15 +100,18 @@ def our_ttt_logits(draft: Eagle3Draft, aux, input_ids, steps: int = 2) -> torch.
     aux = torch.cat([aux, aux.new_zeros(b, 1, aux.shape[-1])], dim=1)
     vd = draft.config.draft_vocab_size
     uniform = torch.full((b, t + 1, vd), 1 / vd)
-    TTTModel(draft, steps=steps)(ids, aux, torch.ones_like(ids), uniform, torch.zeros_like(ids))
+    unroll = ParallelModel if isinstance(draft, PEagleDraft) else TTTModel
+    unroll(draft, steps=steps)(ids, aux, torch.ones_like(ids), uniform, torch.zeros_like(ids))
     hook.remove()
     return torch.stack([logits[:, :t] for logits in captured])
 
 
-def save_random_draft(folder: Path, target, vocab: DraftVocab, g: torch.Generator, **options):
+def save_random_draft(
+    folder: Path, target, vocab: DraftVocab, g: torch.Generator, kind=Eagle3Draft, **options
+):
     """A draft for `target` with random weights, norms included (so no weight is trivially
-    shared), saved as a training checkpoint for `convert`."""
-    draft = Eagle3Draft.from_target(target.model, vocab, **options)
+    shared; P-EAGLE's `mask_hidden` too), saved as a training checkpoint for `convert`."""
+    draft = kind.from_target(target.model, vocab, **options)
     with torch.no_grad():
         for k, p in draft.named_parameters():
             if k != "embed_tokens.weight":
@@ -113,7 +129,9 @@ def make_case(out: Path, name: str) -> None:
     target = load_target(out / "target", dtype=torch.float32)
     g = torch.Generator().manual_seed(1)
     vocab = DraftVocab.from_selected(torch.randperm(256, generator=g)[:96], 256)
-    save_random_draft(out / "train", target, vocab, g, aux_layer_ids=[1, 3, 5], **spec["draft"])
+    kind = spec.get("kind", Eagle3Draft)
+    save_random_draft(out / "train", target, vocab, g, kind, aux_layer_ids=[1, 3, 5],
+                      **spec["draft"])  # fmt: skip
     rc = cli(["convert", str(out / "train"), str(out / "draft"), "--to", "speculators",
               "--target", str(out / "target"), "--with-embeddings"])  # fmt: skip
     assert rc == 0, rc
@@ -123,10 +141,17 @@ def make_case(out: Path, name: str) -> None:
     positions = torch.arange(12) + 100
     with torch.no_grad():
         logits, _ = our_step0(ours, aux, input_ids, positions)
-        ttt_logits = our_ttt_logits(ours, aux, input_ids)
+        ttt_logits = our_ttt_logits(ours, aux, input_ids, spec.get("depths", 2))
     torch.testing.assert_close(ttt_logits[0], logits, atol=1e-5, rtol=1e-5)  # RoPE is relative
     case = {"aux": aux, "input_ids": input_ids, "positions": positions, "logits": logits,
             "ttt_logits": ttt_logits}  # fmt: skip
+    if isinstance(ours, PEagleDraft):
+        assert type(ours) is kind and ours.config.norm_before_residual
+        # ttt_logits [K,1,T,Vd]: depth d of the block anchored at t (its slot at t+d);
+        # the check compares these anchors' whole blocks, and wherever COD samples
+        case |= {"anchors": torch.tensor([0, 3, 6, 12 - len(ttt_logits)]),
+                 "mask_hidden": ours.mask_hidden.detach().clone(),
+                 "mask_token_id": torch.tensor(ours.config.mask_token_id)}  # fmt: skip
     save_file({**case, "d2t": ours.d2t, "t2d": ours.t2d},
               str(out / "case.safetensors"))  # fmt: skip
     print(f"{name}: wrote {out}")
@@ -134,5 +159,5 @@ def make_case(out: Path, name: str) -> None:
 
 if __name__ == "__main__":
     root = Path(sys.argv[1])
-    for name in CASES:
+    for name in sys.argv[2:] or CASES:
         make_case(root / name, name)
