@@ -53,9 +53,8 @@ class PEagleDraft(Eagle3Draft):
 
     def parameters_before_fc(self) -> list[nn.Parameter]:
         """The norms `fuse_aux` applies before `fc` (none, or EAGLE-3.1's)."""
-        return [
-            p for name, p in self.named_parameters() if name.startswith(("fc_norm", "input_norm"))
-        ]
+        norms = [*getattr(self, "fc_norm", ()), *filter(None, [getattr(self, "input_norm", None)])]
+        return [norm.weight for norm in norms]
 
     def mask_inputs(self, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """n parallel slots' inputs: the mask token ids [n] and hidden [n, H]."""

@@ -25,6 +25,7 @@ from eagletools.errors import UserError
 from eagletools.eval.measure import build_results
 from eagletools.eval.methods import EngineServer
 from eagletools.eval.questions import Question
+from eagletools.formats import speculators
 
 log = logging.getLogger(__name__)
 
@@ -80,11 +81,9 @@ def _max_len(target: Path | str) -> int:
 def launch_args(s: Settings, engine: Engine) -> tuple[dict, str | None]:
     """(the server's `ServeRequest` fields but port and draft, the draft as `engine` loads it)."""
     folder, target, draft = engine_inputs(s, engine)
-    kind = "eagle3"
-    if draft and Path(draft).is_dir():
-        from eagletools.formats import load_checkpoint
-
-        kind = load_checkpoint(draft).config.kind
+    kind = "eagle3"  # the eagle layout and GGUF hold nothing else
+    if draft and speculators.matches(Path(draft)):
+        kind = speculators.draft_kind(Path(draft))
     args = dict(
         target=target, num_speculative_tokens=s.depth, dtype=s.dtype,
         max_model_len=_max_len(folder if folder.is_dir() else target), device=s.device,

@@ -61,6 +61,12 @@ def matches(folder: Path) -> bool:
     return cfg.is_file() and "speculators_model_type" in hfconfig.read_json(cfg)
 
 
+def draft_kind(folder: Path) -> str:
+    """The draft kind a speculators folder holds (`speculators_model_type`), read from its
+    config alone: what a server is started for, without reading the weights."""
+    return hfconfig.read_json(folder / CONFIG)["speculators_model_type"]
+
+
 def to_eagle_key(key: str) -> str:
     """A file's tensor name as `Eagle3Draft` has it: `layers.0.` is `midlayer.`, a
     later `layers.{i}.` is `layer{i}.`."""
