@@ -295,7 +295,8 @@ class SpeculativeDecoder:
         self.generate = functools.partial(self.session.generate, self._decode)
         self.draft = pack_linears(draft.to(model.dtype).eval())
         self.draft.decode_weights()  # made eagerly: a compiled step reads them frozen
-        self.tree_slots = max_tree_nodes(topk, depth)
+        # the draft cache's slots past the context: a tree's nodes, or a block's rows
+        self.tree_slots = max(max_tree_nodes(topk, depth), self.kind.block_rows(draft.config))
         self.path_rows = min(num_draft_tokens, depth + 1)  # most nodes a path holds, root too
         self.cache = DraftKVCache.allocate(
             draft.config, 1, self.tree_slots, model.dtype, model.device
@@ -346,7 +347,6 @@ class SpeculativeDecoder:
         (draft logits [n, Vd], hidden [n, H]), or the last row's alone with `last_only`
         (a prompt). Causal, so rows padded after the real ones change nothing before them."""
         n = tokens.shape[0]
-        hidden = self.draft.fuse_aux(aux)[None]
         slots = start + torch.arange(n, device=tokens.device)
         if isinstance(start, torch.Tensor):  # every slot, hidden after the new ones
             mask = cache_mask(start, n, self.cache.k.shape[-2])
@@ -354,8 +354,8 @@ class SpeculativeDecoder:
             mask = None
         else:
             mask = extend_mask(start, n, device=tokens.device)
-        logits, h = self.draft.decode(
-            hidden, tokens[None], slots, self.cache, slots, mask, last_only=last_only
+        logits, h = self.draft.refresh(
+            aux[None], tokens[None], slots, self.cache, slots, mask, last_only=last_only
         )
         return logits[0], h[0]
 
@@ -371,12 +371,17 @@ class SpeculativeDecoder:
         return logits[0], h[0]
 
     def _draft_block(self, base: int, tokens: torch.Tensor, hidden: torch.Tensor):
-        """`Drafter.block` over a draft cache of `base` entries: n parallel rows after the
-        root at slots and positions `base..`, each seeing the cache and the rows before it."""
+        """`Drafter.block` over a draft cache of `base` entries: n rows at slots and
+        positions `base..`, each seeing the cache and the rows before it (or, for a kind
+        whose blocks are not causal, all n)."""
         n = tokens.numel()
         slots = torch.arange(base, base + n, device=tokens.device)
-        mask = extend_mask(base, n, device=tokens.device)
-        logits, h = self.draft.decode(hidden[None], tokens[None], slots, self.cache, slots, mask)
+        if self.kind.block_causal:
+            mask = extend_mask(base, n, device=tokens.device)
+        else:  # every row sees the whole block
+            mask = torch.ones(n, base + n, dtype=torch.bool, device=tokens.device)
+        hidden = None if hidden is None else hidden[None]
+        logits, h = self.draft.decode(hidden, tokens[None], slots, self.cache, slots, mask)
         return logits[0], h[0]
 
     def _decode(self, state: Generation, aux, stopper: Stopper, sampling, generator):

@@ -1,6 +1,7 @@
-"""The draft heads (EAGLE-3, P-EAGLE) and their configuration."""
+"""The draft heads (EAGLE-3, P-EAGLE, DFlash) and their configuration."""
 
 from eagletools.draft.config import DraftConfig
+from eagletools.draft.dflash import DFlashDraft
 from eagletools.draft.model import (
     DraftKVCache,
     Eagle3Draft,
@@ -10,6 +11,6 @@ from eagletools.draft.model import (
 from eagletools.draft.parallel import PEagleDraft
 
 __all__ = [
-    "DraftConfig", "DraftKVCache", "Eagle3Draft", "PEagleDraft", "later_layer_name",
+    "DFlashDraft", "DraftConfig", "DraftKVCache", "Eagle3Draft", "PEagleDraft", "later_layer_name",
     "split_later_layer_key",
 ]  # fmt: skip

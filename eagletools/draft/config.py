@@ -39,8 +39,9 @@ class DraftConfig:
     norm_output: bool = False  # EAGLE-3.1: the next step gets the output after `norm`
     qk_norm: bool = False  # Qwen3-style per-head q/k RMSNorm
     hidden_act: str = "silu"
-    kind: str = "eagle3"  # which draft this is (`eagletools.kinds`): eagle3, peagle
-    mask_token_id: int | None = None  # P-EAGLE: the token its parallel slots take
+    kind: str = "eagle3"  # which draft this is (`eagletools.kinds`): eagle3, peagle, dflash
+    mask_token_id: int | None = None  # P-EAGLE, DFlash: the token their block's slots take
+    block_size: int | None = None  # DFlash: the slots one forward fills (the bonus, then masks)
     extra: dict[str, Any] = field(default_factory=dict)  # fields we carry but do not use
 
     def __post_init__(self) -> None:

@@ -219,32 +219,23 @@ class DraftKVCache:
         )
 
 
-class Eagle3Draft(nn.Module):
-    """EAGLE-3 draft head; `state_dict()` keys are the `eagle` checkpoint keys."""
+class DraftHead(nn.Module):
+    """What every kind's draft shares: the target's frozen embeddings, an output norm and
+    a head over the draft vocabulary with `d2t`/`t2d`, RoPE, and decoding through fused
+    weights (`decode_weights`, `_decode_layer`). A kind brings its layers (`draft_layers`)
+    and how the target's states enter them."""
 
-    def __init__(self, config: DraftConfig):
-        super().__init__()
-        self.config = config
-        h = config.hidden_size
-        self.embed_tokens = nn.Embedding(config.vocab_size, h)
+    config: DraftConfig
+
+    def _add_embeddings(self, config: DraftConfig) -> None:
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)  # the target's, frozen
-        self.fc = nn.Linear(config.num_aux_states * config.target_hidden_size, h, bias=False)
-        if config.fc_norm:
-            self.fc_norm = nn.ModuleList(
-                RMSNorm(config.target_hidden_size, config.rms_norm_eps)
-                for _ in range(config.num_aux_states)
-            )
-        if config.norm_before_fc:  # one norm over all states: vLLM's and speculators' name
-            self.input_norm = RMSNorm(
-                config.num_aux_states * config.target_hidden_size, config.rms_norm_eps
-            )
-        self.midlayer = Eagle3Layer(config)
-        # children of the draft itself, as `midlayer`: FSDP2 wraps any module past a size,
-        # and refuses a ModuleList or ModuleDict (containers without a forward)
-        for i in range(1, config.num_hidden_layers):
-            self.add_module(later_layer_name(i), DecoderLayer(config))
-        self.norm = RMSNorm(h, config.rms_norm_eps)
-        self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
+
+    def _add_output(self, config: DraftConfig) -> None:
+        """The output norm and head, RoPE and the vocabulary maps, registered after the
+        layers (the checkpoint's key order), then every product initialised."""
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
         self.rotary = RotaryEmbedding(
             config.head_dim,
             config.rope_theta,
@@ -257,6 +248,10 @@ class Eagle3Draft(nn.Module):
         self.register_buffer("t2d", t2d)
         self.apply(self._init_weights)
         self._decode_weights: DecodeWeights | None = None  # made by the first `decode`
+
+    def draft_layers(self) -> list[DecoderLayer]:
+        """Every layer a draft forward runs, in order."""
+        raise NotImplementedError
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -271,7 +266,7 @@ class Eagle3Draft(nn.Module):
         aux_layer_ids: list[int] | None = None,
         init_head_from_target: bool = True,
         **overrides,
-    ) -> Eagle3Draft:
+    ) -> DraftHead:
         """A draft sized from a Hugging Face target: same width, heads and RoPE.
 
         The embeddings are copied and frozen. With `init_head_from_target`, the
@@ -314,43 +309,10 @@ class Eagle3Draft(nn.Module):
                 draft.norm.weight.copy_(anatomy.final_norm(model).weight.float())
         return draft
 
-    def later_layers(self) -> list[DecoderLayer]:
-        """The plain layers after `midlayer`, in order (none for a one-layer head)."""
-        return [getattr(self, later_layer_name(i)) for i in range(1, self.config.num_hidden_layers)]
-
-    def draft_layers(self) -> list[DecoderLayer]:
-        """`midlayer`, then the plain layers: every layer a draft step runs, in order."""
-        return [self.midlayer, *self.later_layers()]
-
-    def fuse_aux(self, aux: torch.Tensor) -> torch.Tensor:
-        """The target's concatenated aux states [.., A*Ht] -> draft hidden [.., H].
-
-        With `fc_norm` each state is normalised on its own first: a target's
-        layers differ in scale (SmolLM2: RMS 3 at layer 2, 64 at layer 15,
-        single values up to 25k), which a shared `fc` would otherwise inherit.
-        With `norm_before_fc` one norm (`input_norm`) covers the whole concatenation.
-        """
-        if self.config.norm_before_fc:
-            aux = self.input_norm(aux)
-        if self.config.fc_norm:
-            parts = aux.split(self.config.target_hidden_size, dim=-1)
-            aux = torch.cat([norm(x) for norm, x in zip(self.fc_norm, parts, strict=True)], -1)
-        return self.fc(aux)
-
     def rope(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rotary(positions, dtype)
-
-    def head(self, layer_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's output [.., H] -> (draft-vocab logits [.., Vd], the hidden
-        the next step takes [.., H]).
-
-        EAGLE-3 carries the output on before `norm`; EAGLE-3.1 (`norm_output`)
-        carries the normed one, so later steps see inputs of one scale.
-        """
-        normed = self.norm(layer_out)
-        return self.lm_head(normed), normed if self.config.norm_output else layer_out
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
@@ -372,7 +334,7 @@ class Eagle3Draft(nn.Module):
         gate_up = [(layer.mlp.gate_proj, layer.mlp.up_proj) for layer in layers]
         source = tuple(weight_identity(p.weight) for parts in (*qkv, *gate_up) for p in parts)
         if self._decode_weights is None or self._decode_weights.source != source:
-            weight = self.midlayer.self_attn.q_proj.weight
+            weight = layers[0].self_attn.q_proj.weight
             c = self.config
             rotary = RotaryEmbedding(
                 c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings
@@ -387,48 +349,6 @@ class Eagle3Draft(nn.Module):
                 torch.stack([cos, sin], dim=1)[:, :, None],
             )
         return self._decode_weights
-
-    @torch.no_grad()
-    def decode(
-        self,
-        hidden: torch.Tensor,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        cache: DraftKVCache,
-        slots: torch.Tensor,
-        mask: torch.Tensor | None,
-        last_only: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One draft forward over n new tokens for decoding.
-
-        hidden [B,n,H] (`fuse_aux` output or the previous step's `head`
-        output), input_ids [B,n], positions [n] or [B,n] (below
-        `max_position_embeddings`). K/V are written at cache `slots` [n]; the
-        queries attend over cache slots `[0, mask.shape[-1])` where `mask`
-        [n, L] (or [B,1,n,L]) is True, or, with mask None (a prompt), causally
-        over slots up to `slots[-1]` (read back once); the cache holds K/V in the
-        draft's dtype. Returns (draft logits [B,n,Vd], the hidden the next step
-        takes [B,n,H]). The layers of `midlayer.qkv` and `finish`, through
-        `decode_weights()`; with a mask its shapes depend on n and L only, and
-        nothing is read back from the device. `last_only` (a prompt's pass): every
-        token's K/V is written, but attention, MLP and head run for the last token
-        alone, the only one whose outputs a tree grows from (a 16k prompt's
-        [n, Vd] logits and [n, I] MLP products are 0.5-1.4 GB at 8B widths).
-        """
-        fused = self.decode_weights()
-        layers = self.draft_layers()
-        normed = self.midlayer.hidden_norm(hidden)
-        embeds = self.midlayer.input_layernorm(self.embed_tokens(input_ids).to(hidden.dtype))
-        x = torch.cat([embeds, normed], dim=-1)
-        residual = normed if self.midlayer.norm_before_residual else hidden
-        rope = fused.rope[positions].unbind(-3)  # cos, sin [.., n, 1, hd]
-        last = len(layers) - 1  # with `last_only`, earlier layers still feed every row on
-        step = functools.partial(self._decode_layer, fused=fused, rope=rope, cache=cache,
-                                 slots=slots, mask=mask)  # fmt: skip
-        h = step(0, x, residual, last_only=last_only and last == 0)
-        for i, layer in enumerate(layers[1:], 1):  # its own norm, the residual unnormed
-            h = step(i, layer.input_layernorm(h), h, last_only=last_only and i == last)
-        return self.head(h)
 
     def _decode_layer(
         self,
@@ -476,3 +396,120 @@ class Eagle3Draft(nn.Module):
         h = linear(out.transpose(1, 2).reshape(b, n, nh * hd), attn.o_proj.weight, None) + residual
         gate, up = linear(layer.post_attention_layernorm(h), gate_up_weight, None).chunk(2, -1)
         return h + linear(F.silu(gate) * up, layer.mlp.down_proj.weight, None)
+
+
+class Eagle3Draft(DraftHead):
+    """EAGLE-3 draft head; `state_dict()` keys are the `eagle` checkpoint keys."""
+
+    def __init__(self, config: DraftConfig):
+        super().__init__()
+        self.config = config
+        self._add_embeddings(config)
+        self.fc = nn.Linear(
+            config.num_aux_states * config.target_hidden_size, config.hidden_size, bias=False
+        )
+        if config.fc_norm:
+            self.fc_norm = nn.ModuleList(
+                RMSNorm(config.target_hidden_size, config.rms_norm_eps)
+                for _ in range(config.num_aux_states)
+            )
+        if config.norm_before_fc:  # one norm over all states: vLLM's and speculators' name
+            self.input_norm = RMSNorm(
+                config.num_aux_states * config.target_hidden_size, config.rms_norm_eps
+            )
+        self.midlayer = Eagle3Layer(config)
+        # children of the draft itself, as `midlayer`: FSDP2 wraps any module past a size,
+        # and refuses a ModuleList or ModuleDict (containers without a forward)
+        for i in range(1, config.num_hidden_layers):
+            self.add_module(later_layer_name(i), DecoderLayer(config))
+        self._add_output(config)
+
+    def later_layers(self) -> list[DecoderLayer]:
+        """The plain layers after `midlayer`, in order (none for a one-layer head)."""
+        return [getattr(self, later_layer_name(i)) for i in range(1, self.config.num_hidden_layers)]
+
+    def draft_layers(self) -> list[DecoderLayer]:
+        """`midlayer`, then the plain layers: every layer a draft step runs, in order."""
+        return [self.midlayer, *self.later_layers()]
+
+    def fuse_aux(self, aux: torch.Tensor) -> torch.Tensor:
+        """The target's concatenated aux states [.., A*Ht] -> draft hidden [.., H].
+
+        With `fc_norm` each state is normalised on its own first: a target's
+        layers differ in scale (SmolLM2: RMS 3 at layer 2, 64 at layer 15,
+        single values up to 25k), which a shared `fc` would otherwise inherit.
+        With `norm_before_fc` one norm (`input_norm`) covers the whole concatenation.
+        """
+        if self.config.norm_before_fc:
+            aux = self.input_norm(aux)
+        if self.config.fc_norm:
+            parts = aux.split(self.config.target_hidden_size, dim=-1)
+            aux = torch.cat([norm(x) for norm, x in zip(self.fc_norm, parts, strict=True)], -1)
+        return self.fc(aux)
+
+    def head(self, layer_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's output [.., H] -> (draft-vocab logits [.., Vd], the hidden
+        the next step takes [.., H]).
+
+        EAGLE-3 carries the output on before `norm`; EAGLE-3.1 (`norm_output`)
+        carries the normed one, so later steps see inputs of one scale.
+        """
+        normed = self.norm(layer_out)
+        return self.lm_head(normed), normed if self.config.norm_output else layer_out
+
+    @torch.no_grad()
+    def refresh(
+        self,
+        aux: torch.Tensor,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: DraftKVCache,
+        slots: torch.Tensor,
+        mask: torch.Tensor | None,
+        last_only: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft over rows the target has run: aux [B,n,A*Ht] and the tokens after
+        them [B,n] -> `decode`'s output (the first proposal grows from its last row)."""
+        return self.decode(self.fuse_aux(aux), input_ids, positions, cache, slots, mask, last_only)
+
+    @torch.no_grad()
+    def decode(
+        self,
+        hidden: torch.Tensor,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: DraftKVCache,
+        slots: torch.Tensor,
+        mask: torch.Tensor | None,
+        last_only: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft forward over n new tokens for decoding.
+
+        hidden [B,n,H] (`fuse_aux` output or the previous step's `head`
+        output), input_ids [B,n], positions [n] or [B,n] (below
+        `max_position_embeddings`). K/V are written at cache `slots` [n]; the
+        queries attend over cache slots `[0, mask.shape[-1])` where `mask`
+        [n, L] (or [B,1,n,L]) is True, or, with mask None (a prompt), causally
+        over slots up to `slots[-1]` (read back once); the cache holds K/V in the
+        draft's dtype. Returns (draft logits [B,n,Vd], the hidden the next step
+        takes [B,n,H]). The layers of `midlayer.qkv` and `finish`, through
+        `decode_weights()`; with a mask its shapes depend on n and L only, and
+        nothing is read back from the device. `last_only` (a prompt's pass): every
+        token's K/V is written, but attention, MLP and head run for the last token
+        alone, the only one whose outputs a tree grows from (a 16k prompt's
+        [n, Vd] logits and [n, I] MLP products are 0.5-1.4 GB at 8B widths).
+        """
+        fused = self.decode_weights()
+        layers = self.draft_layers()
+        normed = self.midlayer.hidden_norm(hidden)
+        embeds = self.midlayer.input_layernorm(self.embed_tokens(input_ids).to(hidden.dtype))
+        x = torch.cat([embeds, normed], dim=-1)
+        residual = normed if self.midlayer.norm_before_residual else hidden
+        rope = fused.rope[positions].unbind(-3)  # cos, sin [.., n, 1, hd]
+        last = len(layers) - 1  # with `last_only`, earlier layers still feed every row on
+        step = functools.partial(self._decode_layer, fused=fused, rope=rope, cache=cache,
+                                 slots=slots, mask=mask)  # fmt: skip
+        h = step(0, x, residual, last_only=last_only and last == 0)
+        for i, layer in enumerate(layers[1:], 1):  # its own norm, the residual unnormed
+            h = step(i, layer.input_layernorm(h), h, last_only=last_only and i == last)
+        return self.head(h)

@@ -1,5 +1,6 @@
 """vLLM (`vllm serve`): EAGLE-3 drafts in the speculators or eagle layout, P-EAGLE drafts
-(speculators `peagle`) with `parallel_drafting`.
+(speculators `peagle`) with `parallel_drafting`, DFlash drafts (speculators `dflash`) by
+method `dflash`.
 
 Acceptance comes from vLLM's own Prometheus counters at /metrics:
 `vllm:spec_decode_num_drafts` (verify steps), `..._num_accepted_tokens` and
@@ -50,7 +51,7 @@ def launch(r: ServeRequest) -> Launch:
     ]  # fmt: skip
     if r.draft:
         config = {
-            "method": "eagle3",
+            "method": "dflash" if r.draft_kind == "dflash" else "eagle3",
             "model": r.draft,
             "num_speculative_tokens": r.num_speculative_tokens,
         }

@@ -81,11 +81,16 @@ def _max_len(target: Path | str) -> int:
 def launch_args(s: Settings, engine: Engine) -> tuple[dict, str | None]:
     """(the server's `ServeRequest` fields but port and draft, the draft as `engine` loads it)."""
     folder, target, draft = engine_inputs(s, engine)
-    kind = "eagle3"  # the eagle layout and GGUF hold nothing else
+    kind, tokens = "eagle3", s.depth  # the eagle layout and GGUF hold nothing else
     if draft and speculators.matches(Path(draft)):
         kind = speculators.draft_kind(Path(draft))
+    if kind == "dflash":  # its slots see each other: a shorter block is another draft
+        tokens = speculators.block_tokens(Path(draft))
+        if tokens != s.depth:
+            log.warning("%s: a DFlash draft proposes its whole trained block: %d tokens a "
+                        "step, not --depth %d", draft, tokens, s.depth)  # fmt: skip
     args = dict(
-        target=target, num_speculative_tokens=s.depth, dtype=s.dtype,
+        target=target, num_speculative_tokens=tokens, dtype=s.dtype,
         max_model_len=_max_len(folder if folder.is_dir() else target), device=s.device,
         threads=s.threads or os.cpu_count(),  # every engine gets the same cores
         draft_kind=kind,

@@ -77,6 +77,12 @@ class Draft:
     record: dict[str, Any] | None
 
     @property
+    def is_dflash(self) -> bool:
+        """A DFlash draft, whose layers have none of the EAGLE heads' options."""
+        kind = self.ckpt.config.kind if self.ckpt else self.raw.get("speculators_model_type")
+        return kind == "dflash"
+
+    @property
     def trained(self) -> dict[str, Any]:
         """The trained options: the training record's, else as eagletools reads them."""
         ours = self.ckpt.config.to_dict() if self.ckpt else {}
@@ -235,8 +241,8 @@ def check_dtype(d: Draft) -> list[Finding]:
 def check_norm_before_residual(d: Draft) -> list[Finding]:
     """Absent, engines differ: vLLM reads a speculators config as true, an eagle one as
     `getattr(config, 'norm_before_residual', False)`; speculators assumes false."""
-    if d.format == training.NAME:
-        return []
+    if d.format == training.NAME or d.is_dflash:
+        return []  # a DFlash draft has no such option
     trained = (d.record or {}).get("draft", {}).get(NBR)
     present = NBR in d.raw
     if present and (trained is None or bool(d.raw[NBR]) == trained):
@@ -421,8 +427,8 @@ def check_engine_aux(d: Draft, engine: str, layers: int | None) -> list[Finding]
 
 def check_engine_nbr(d: Draft, engine: str) -> list[Finding]:
     """vLLM's reading of `norm_before_residual` in this layout, against the trained value."""
-    if engine != "vllm":
-        return []  # the others ignore the option: check_engine_options names it
+    if engine != "vllm" or d.is_dflash:
+        return []  # the others ignore the option (check_engine_options names it); DFlash has none
     read = bool(d.raw.get(NBR, d.format == speculators.NAME))
     trained = bool(d.trained.get(NBR, False))
     if read == trained:

@@ -148,6 +148,23 @@ OPTIONS = (
                                     "P-EAGLE is written as speculators only"),
         "eagle": Cell(False, "read: SafeAILab cnets.py drafts a token per forward"),
     }),
+    DraftOption("dflash", "draft.kind", lambda c, n: c.kind == "dflash", {
+        "vllm": Cell(True, f"read: {VLLM_SPEC}/algos.py:96-126 (update_dflash: causal = not "
+                           "sliding_window_non_causal, written true), models/qwen3_dflash.py "
+                           "(method dflash, one forward over bonus + K masks); "
+                           "v1/attention/backends/cpu_attn.py:82 (non-causal on CPU)"),
+        "sglang": Cell(False, "read: sglang 003b23d python/sglang/srt/models/dflash.py reads "
+                              "z-lab's dflash_config and uses the target's embeddings and head "
+                              "(no d2t); DFlash is written as speculators only"),
+        "sgl-jax": Cell(False, "read: srt/models/dflash.py reads z-lab's dflash_config "
+                               "(target_layer_ids), no d2t; the speculators layout is not its"),
+        "llama.cpp": Cell(False, "read: llama.cpp 11434 conversion/qwen.py converts z-lab's "
+                                 "DFlashDraftModel only, no speculators dflash (docs/lab.md "
+                                 "Part 6)"),
+        "tensorrt-llm": Cell(False, "read: no DFlash in its Eagle3 paths; DFlash is written as "
+                                    "speculators only"),
+        "eagle": Cell(False, "read: SafeAILab cnets.py drafts a token per forward"),
+    }),
     DraftOption("peagle_fc_norm", "draft.fc_norm", lambda c, n: c.kind == "peagle" and c.fc_norm,
                 {**{e: Cell(False, "read: it serves no P-EAGLE draft (row above)")
                     for e in ("sglang", "sgl-jax", "llama.cpp", "tensorrt-llm", "eagle")},
@@ -165,6 +182,7 @@ OPTION_TITLES = {
     "num_hidden_layers": "more than one layer",
     "peagle": "a P-EAGLE draft (a block per forward)",
     "peagle_fc_norm": "`fc_norm` on a P-EAGLE draft",
+    "dflash": "a DFlash draft (a non-causal block per forward)",
 }
 
 

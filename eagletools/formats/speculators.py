@@ -49,7 +49,7 @@ ONE_FILE = False
 CONFIG = "config.json"
 # speculators_model_type -> vLLM's norm_before_residual when the field is absent
 # (configs/speculators/algos.py: update_eagle3 True, update_peagle False)
-MODEL_TYPES = {"eagle3": True, "peagle": False}
+MODEL_TYPES = {"eagle3": True, "peagle": False, "dflash": False}
 SPECULATORS_VERSION = "0.9.0"
 LAYER_PREFIX = ("midlayer.", "layers.0.")
 LAYER_TYPES = {"llama": False, "qwen3": True}  # transformer_layer_config.model_type -> qk_norm
@@ -65,6 +65,12 @@ def draft_kind(folder: Path) -> str:
     """The draft kind a speculators folder holds (`speculators_model_type`), read from its
     config alone: what a server is started for, without reading the weights."""
     return hfconfig.read_json(folder / CONFIG)["speculators_model_type"]
+
+
+def block_tokens(folder: Path) -> int:
+    """The tokens a `dflash` draft proposes a step (its block but the bonus token), from its
+    config alone."""
+    return int(hfconfig.read_json(folder / CONFIG).get("block_size") or 8) - 1
 
 
 def to_eagle_key(key: str) -> str:
@@ -110,12 +116,15 @@ def read(folder: Path, allow_pickle: bool = False) -> tuple[DraftConfig, dict[st
             f"{source}: field 'transformer_layer_config.model_type' is {layer_type!r}; "
             f"supported: {sorted(LAYER_TYPES)}"
         )
+    rename = (lambda key: key) if kind == "dflash" else to_eagle_key  # DFlash's are ours
     tensors = {
-        to_eagle_key(k): v
+        rename(k): v
         for k, v in read_tensors(folder, allow_pickle).items()
         if not k.startswith(IGNORED_PREFIXES)
     }
     fields = hfconfig.read_layer_fields(layer, f"{source}: transformer_layer_config")
+    if kind == "dflash":
+        return DraftConfig(**fields, **dflash_fields(cfg, layer, source)), tensors
     if "norm_before_residual" not in cfg:
         log.warning(
             "%s: no 'norm_before_residual'; assuming %s as vLLM does for %s drafts: "
@@ -149,6 +158,59 @@ def read(folder: Path, allow_pickle: bool = False) -> tuple[DraftConfig, dict[st
     return DraftConfig(**fields, extra=extra), tensors
 
 
+def dflash_fields(cfg: dict[str, Any], layer: dict[str, Any], source: str) -> dict[str, Any]:
+    """A `dflash` config's fields beyond its layer, refusing a draft that eagletools or an
+    engine would compute otherwise than it was trained (docs/design.md 3.7)."""
+    if "sliding_attention" in (layer.get("layer_types") or []):
+        raise UserError(
+            f"{source}: field 'transformer_layer_config.layer_types' has sliding-window "
+            "layers (speculators' default); eagletools runs DFlash drafts with full attention "
+            "in every layer: train with --full-attention-indices covering every layer"
+        )
+    if not cfg.get("sliding_window_non_causal", False):
+        raise UserError(
+            f"{source}: field 'sliding_window_non_causal' is not true: speculators trains "
+            "full-attention blocks bidirectionally whatever it says, but vLLM reads it as "
+            "causal=true for every layer and computes another draft; set it to true"
+        )
+    if cfg.get("sample_from_anchor"):
+        raise UserError(
+            f"{source}: field 'sample_from_anchor' is true; eagletools' DFlash drafts propose "
+            "from the mask slots only (the anchor is the bonus token): set it to false"
+        )
+    ids = cfg.get("aux_hidden_state_layer_ids")
+    if not ids or not isinstance(cfg.get("mask_token_id"), int):
+        raise UserError(
+            f"{source}: fields 'aux_hidden_state_layer_ids' and 'mask_token_id' are required "
+            "for a dflash draft (vLLM refuses it without them)"
+        )
+    methods = (cfg.get("speculators_config") or {}).get("proposal_methods") or [{}]
+    extra = {"speculative_tokens": methods[0].get("speculative_tokens")}
+    verifier = (cfg.get("speculators_config") or {}).get("verifier")
+    return dict(
+        draft_vocab_size=cfg.get("draft_vocab_size") or layer["vocab_size"],
+        target_hidden_size=cfg.get("target_hidden_size") or layer["hidden_size"],
+        aux_layer_ids=list(ids),
+        num_aux_states=len(ids),
+        qk_norm=True,  # Qwen3 layers, whatever the layer's model_type
+        kind="dflash",
+        mask_token_id=cfg["mask_token_id"],
+        block_size=cfg.get("block_size") or 8,  # speculators' default
+        extra={k: v for k, v in (extra | {"verifier": verifier}).items() if v},
+    )
+
+
+def dflash_config_fields(c: DraftConfig) -> dict[str, Any]:
+    """What a `dflash` config says beyond the layer, as speculators 0.9.0 writes it."""
+    return {
+        "block_size": c.block_size,
+        "aux_hidden_state_layer_ids": c.aux_layer_ids,
+        "mask_token_id": c.mask_token_id,
+        "sliding_window_non_causal": True,  # vLLM: causal = not this, for every layer
+        "sample_from_anchor": False,
+    }
+
+
 def config_dict(
     c: DraftConfig, dtype: str | None, verifier: dict[str, Any] | None
 ) -> dict[str, Any]:
@@ -158,21 +220,27 @@ def config_dict(
     }
     verifier = verifier or c.extra.get("verifier") or {"name_or_path": None, "architectures": []}
     kind = KINDS[c.kind]
-    parallel = {"mask_token_id": c.mask_token_id} if c.kind == "peagle" else {}
+    if c.kind == "dflash":
+        own = dflash_config_fields(c)
+    else:
+        own = {
+            **({"mask_token_id": c.mask_token_id} if c.kind == "peagle" else {}),
+            "norm_before_residual": c.norm_before_residual,
+            "eagle_aux_hidden_state_layer_ids": c.aux_layer_ids,
+            "norm_before_fc": c.norm_before_fc,
+            "fc_norm": c.fc_norm,
+            "norm_output": c.norm_output,
+            "embed_requires_grad": False,
+        }
+    default_tokens = c.block_size - 1 if c.block_size else 3
     return {
         "architectures": [kind.architectures[NAME][0]],
         "speculators_model_type": c.kind,
-        **parallel,
         "speculators_version": SPECULATORS_VERSION,
         "transformer_layer_config": layer,
         "draft_vocab_size": c.draft_vocab_size,
-        "norm_before_residual": c.norm_before_residual,
         "target_hidden_size": c.target_hidden_size,
-        "eagle_aux_hidden_state_layer_ids": c.aux_layer_ids,
-        "norm_before_fc": c.norm_before_fc,
-        "fc_norm": c.fc_norm,
-        "norm_output": c.norm_output,
-        "embed_requires_grad": False,
+        **own,
         "tie_word_embeddings": False,
         "dtype": dtype,
         "speculators_config": {
@@ -180,7 +248,7 @@ def config_dict(
             "proposal_methods": [
                 {
                     "proposal_type": "greedy",
-                    "speculative_tokens": c.extra.get("speculative_tokens", 3),
+                    "speculative_tokens": c.extra.get("speculative_tokens", default_tokens),
                     "verifier_accept_k": 1,
                     "accept_tolerance": 0.0,
                 }
@@ -198,6 +266,11 @@ def write(
     options: WriteOptions,
 ) -> None:
     """Write into an existing (temporary) folder, recording `options.verifier` as the verifier."""
+    if config.aux_layer_ids is None and config.kind == "dflash":
+        raise UserError(
+            "a dflash draft needs its aux layer ids in the speculators format (vLLM refuses "
+            "it without them); convert with --target to record the defaults"
+        )
     if config.aux_layer_ids is None and config.num_aux_states != 3:
         raise UserError(
             f"a draft fusing {config.num_aux_states} aux states needs its aux layer ids in the "
@@ -228,6 +301,5 @@ def write(
             "None on the hub); pass --verifier or --target"
         )
     hfconfig.write_json(folder / CONFIG, cfg)
-    write_tensors(
-        {from_eagle_key(k): v for k, v in tensors.items()}, folder, options.max_shard_bytes
-    )
+    rename = (lambda key: key) if config.kind == "dflash" else from_eagle_key
+    write_tensors({rename(k): v for k, v in tensors.items()}, folder, options.max_shard_bytes)

@@ -1,4 +1,4 @@
-"""Draft kinds: what an EAGLE-3 draft, a P-EAGLE draft (and later DFlash) do differently.
+"""Draft kinds: what an EAGLE-3, a P-EAGLE and a DFlash draft do differently.
 
 A kind is one `DraftKind` object, and every part of eagletools that depends on
 the kind reads it there: the trainer (the module it trains, objective and
@@ -13,10 +13,11 @@ from __future__ import annotations
 from eagletools.draft import DraftConfig
 from eagletools.errors import UserError
 from eagletools.kinds.base import Drafter, DraftKind
+from eagletools.kinds.dflash import DFLASH
 from eagletools.kinds.eagle3 import EAGLE3
 from eagletools.kinds.peagle import PEAGLE
 
-KINDS: dict[str, DraftKind] = {k.name: k for k in (EAGLE3, PEAGLE)}
+KINDS: dict[str, DraftKind] = {k.name: k for k in (EAGLE3, PEAGLE, DFLASH)}
 
 
 def kind_of(config: DraftConfig, source: str = "draft config") -> DraftKind:

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from eagletools.draft import DraftConfig
+from eagletools.errors import UserError
 
 if TYPE_CHECKING:
     from eagletools.decode.tree import DraftStep, Tree
@@ -21,9 +22,10 @@ class Drafter:
     """The decoder's draft and its forwards, which a kind's `propose` composes.
 
     `step(j, tokens, hidden, rows)`: one forward over a tree's frontier at depth j
-    (`decode.tree.DraftStep`). `block(tokens [n], hidden [n, H])`: one forward over
-    n rows after the root, each seeing the context and the rows before it (a
-    parallel draft's slots) -> (draft logits [n, Vd], hidden [n, H]).
+    (`decode.tree.DraftStep`). `block(tokens [n], hidden [n, H] or None)`: one forward
+    over n rows after the context, each seeing the context and the rows before it, or
+    with the kind's `block_causal` false all n (a block draft's slots) -> (draft
+    logits [n, Vd], hidden [n, H]).
     """
 
     draft: nn.Module
@@ -42,6 +44,11 @@ class DraftKind(ABC):
     layouts: tuple[str, ...]  # the layouts an engine serves it from, the trainer's first
     # the (topk, depth, num_draft_tokens) shapes a tune times beside plain decoding
     shapes: tuple[tuple[int, int, int], ...]
+    block_causal = True  # `Drafter.block`'s rows see those before them, not after
+
+    def block_rows(self, config: DraftConfig) -> int:
+        """Draft cache slots a step's block writes past the context, beyond a tree's."""
+        return 0
 
     @abstractmethod
     def module(self) -> type[nn.Module]:
@@ -85,3 +92,12 @@ class DraftKind(ABC):
     @abstractmethod
     def validate(self, config: DraftConfig, source: str) -> None:
         """Refuse a config this kind cannot run (naming the field and the fix)."""
+
+    @staticmethod
+    def refuse_block(config: DraftConfig, source: str) -> None:
+        """An EAGLE head's config with a DFlash block is another kind's."""
+        if config.block_size is not None:
+            raise UserError(
+                f"{source}: field 'block_size' is set ({config.block_size}), which only a "
+                "DFlash draft uses; set kind to 'dflash' or drop the field"
+            )

@@ -53,6 +53,7 @@ class Eagle3(DraftKind):
         return grow_tree(drafter.step, root, logits, hidden, d2t, topk, depth, num_draft_tokens)
 
     def validate(self, config: DraftConfig, source: str) -> None:
+        self.refuse_block(config, source)
         if config.mask_token_id is not None:
             raise UserError(
                 f"{source}: field 'mask_token_id' is set ({config.mask_token_id}), which only "

@@ -47,23 +47,17 @@ class PEagle(DraftKind):
         num_draft_tokens: int,
     ) -> Tree:
         """The block's `depth` proposals from one forward over its `depth - 1` mask slots
-        (the root's own row gave the first), as a tree: at each depth the `topk` best
-        tokens, children of the best one at the depth before (a chain at topk 1)."""
-        from eagletools import kernels
-        from eagletools.decode.tree import select_tree
+        (the root's own row gave the first), as a tree (`decode.tree.block_tree`)."""
+        from eagletools.decode.tree import block_tree
 
         rows = logits.view(1, -1)
         if depth > 1:
             ids, state = drafter.draft.mask_inputs(depth - 1, hidden.dtype)
             rows = torch.cat([rows, drafter.block(ids, state)[0]])
-        logprobs, ids = kernels.topk_d2t(rows, d2t, topk)  # [depth, topk], best first
-        best = logprobs[:, :1].cumsum(0)  # the best path's score down to each depth
-        scores = torch.cat([logprobs[:1], best[:-1] + logprobs[1:]])
-        first = torch.arange(depth, device=logits.device) * topk  # each depth's best node
-        parents = torch.cat([first.new_full((1,), -1), first[:-1]]).repeat_interleave(topk)
-        return select_tree(scores.flatten(), ids.flatten(), parents, root, num_draft_tokens)
+        return block_tree(rows, d2t, topk, root, num_draft_tokens)
 
     def validate(self, config: DraftConfig, source: str) -> None:
+        self.refuse_block(config, source)
         if config.norm_output:
             raise UserError(
                 f"{source}: field 'norm_output' is true, which no P-EAGLE step uses (no slot "

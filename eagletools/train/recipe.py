@@ -122,8 +122,10 @@ class VocabSection:
 
 @dataclass
 class DraftSection:
-    kind: str = "eagle3"  # eagle3 (a forward per drafted token) or peagle (a block in one)
-    mask_token_id: int | None = None  # peagle: its slots' token (None: the target's last id)
+    kind: str = "eagle3"  # eagle3 (a forward per drafted token); peagle, dflash (a block in
+    # one: training.ttt_steps tokens, dflash's slots seeing each other both ways)
+    mask_token_id: int | None = None  # peagle, dflash: its slots' token (None: the target's
+    # last id)
     norm_before_residual: bool = False
     fc_norm: bool = False  # EAGLE-3.1 per-aux-state norms before `fc`
     norm_before_fc: bool = False  # one norm over all aux states before `fc` (not with fc_norm)
@@ -142,7 +144,8 @@ class DraftSection:
                 "norm_before_fc": self.norm_before_fc,
                 "norm_output": self.norm_output, "freeze_head": self.freeze_head,
                 "num_hidden_layers": self.num_hidden_layers > 1, "peagle": self.kind == "peagle",
-                "peagle_fc_norm": self.kind == "peagle" and self.fc_norm}  # fmt: skip
+                "peagle_fc_norm": self.kind == "peagle" and self.fc_norm,
+                "dflash": self.kind == "dflash"}  # fmt: skip
 
     def checks(self) -> list[Check]:
         return [
@@ -156,6 +159,9 @@ class DraftSection:
              "cannot be true with draft.fc_norm (one norm over all aux states, or one per "
              "state; speculators refuses both): set one of them to false"),
             (self.kind in KINDS, "draft.kind", f"must be one of {', '.join(KINDS)}"),
+            (self.kind != "dflash" or self.init_head_from_target, "draft.init_head_from_target",
+             "is false, but a DFlash head is the target's rows, frozen (as speculators trains "
+             "it): set it to true"),
         ]  # fmt: skip
 
 
@@ -207,6 +213,8 @@ class TrainingSection:
     log_every: int = 10
     max_bad_steps: int = 5  # stop after this many non-finite losses in a row
     attn_chunk: int = 512  # query chunk of the TTT attention (memory vs speed)
+    anchor_share: float = 0.125  # DFlash: the share of positions a step anchors a block
+    # at, drawn anew each step (speculators: up to 512 of an 8,192-token row)
     compile: bool = False  # torch.compile the training unroll: compiling once, then faster steps
     num_threads: int | None = None  # torch CPU threads (None: torch's default)
 
@@ -241,6 +249,7 @@ class TrainingSection:
             (self.keep_last >= 1, "training.keep_last", "must be at least 1"),
             (self.max_bad_steps >= 1, "training.max_bad_steps", "must be at least 1"),
             (self.attn_chunk >= 1, "training.attn_chunk", "must be at least 1"),
+            (0 < self.anchor_share <= 1, "training.anchor_share", "must be in (0, 1]"),
             (self.pack_tokens >= 0, "training.pack_tokens", "must be >= 0 (0: no packing)"),
         ]  # fmt: skip
 

@@ -160,6 +160,16 @@ class StepStats:
     chain: torch.Tensor  # [N] exact chain lengths summed over the step-0 positions
 
     @classmethod
+    def of(
+        cls, sums: list[torch.Tensor], hits: list[torch.Tensor], masks: list[torch.Tensor]
+    ) -> StepStats:
+        """Per depth j: the rows' loss sums [B] and the hits and masks [B,T]."""
+        stack = functools.partial(torch.stack, dim=1)
+        correct = stack([(h * m).sum(-1) for h, m in zip(hits, masks, strict=True)])
+        count = stack([m.sum(-1) for m in masks])
+        return cls(stack(sums), correct, count, chain_lengths(hits, masks))
+
+    @classmethod
     def zeros(cls, rows: int, steps: int, device: torch.device | str = "cpu") -> StepStats:
         return cls(*(torch.zeros(rows, steps, device=device) for _ in range(3)),
                    torch.zeros(rows, device=device))  # fmt: skip
@@ -208,6 +218,43 @@ def step_counts(
 ) -> torch.Tensor:
     """Masked positions per step [K]: step j predicts the token at t+2+j."""
     return torch.stack([step_mask(loss_mask, j, documents).sum() for j in range(steps)]).float()
+
+
+@dataclass(frozen=True)
+class DepthTargets:
+    """What a draft's proposal at depth j (0-based) is taught: at position t, the token
+    t+2+j, with the target's distribution at t+1+j as teacher. The unroll's step j and a
+    block's slot j+1 share it (`train.block`)."""
+
+    teacher_probs: torch.Tensor  # [B,T,Vd]
+    target_argmax: torch.Tensor  # [B,T]
+    loss_mask: torch.Tensor  # [B,T]
+    documents: torch.Tensor | None  # [B,T], packed rows
+    train_oov: bool  # also positions whose target token is outside the draft vocab
+
+    def terms(
+        self, draft: nn.Module, logits: torch.Tensor, j: int, rows: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Depth j's draft logits [B,T,Vd] -> (soft cross-entropy summed per row [B],
+        hits [B,T] (argmax is the target's), taught positions [B,T]); with `rows` [B,M]
+        the logits [B,M,Vd] are at those positions only, and so are hits and masks."""
+        if rows is None:
+            probs = _shift(self.teacher_probs, 1 + j)
+            wanted = _shift(self.target_argmax, 1 + j)
+            mask = step_mask(self.loss_mask, j, self.documents).float()
+        else:
+            t = self.loss_mask.shape[1]
+            at = (rows + 1 + j).clamp(max=t - 1)
+            probs = self.teacher_probs.gather(1, at[..., None].expand(-1, -1, logits.shape[-1]))
+            wanted = self.target_argmax.gather(1, at)
+            mask = step_mask(self.loss_mask, j, self.documents).float().gather(1, rows)
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        ce = -(probs * logp).sum(-1)
+        in_vocab = 1.0 if self.train_oov else draft.t2d[wanted]
+        row_sums = (ce * mask * in_vocab).sum(-1)
+        with torch.no_grad():
+            hit = (draft.to_target_ids(argmax(logp)) == wanted).float()
+        return row_sums, hit, mask
 
 
 class TTTModel(nn.Module):
@@ -279,7 +326,6 @@ class TTTModel(nn.Module):
             positions = torch.arange(t, device=input_ids.device)
         else:
             positions = document_positions(documents)
-        t2d = draft.t2d
         oov = self.train_oov if train_oov is None else train_oov
         layers = draft.draft_layers()
         keys: list[list[torch.Tensor]] = [[] for _ in layers]  # per layer: step 0's, diagonals
@@ -291,6 +337,7 @@ class TTTModel(nn.Module):
             ks, vs = keys[i], values[i]
             return ttt_attention(q, ks[0], vs[0], ks[1:], vs[1:], self.chunk, documents)
 
+        targets = DepthTargets(teacher_probs, target_argmax, loss_mask, documents, oov)
         loss = hidden.new_zeros((), dtype=torch.float32)
         sums, hits, masks = [], [], []
         for j in range(steps or self.steps):
@@ -302,25 +349,13 @@ class TTTModel(nn.Module):
                 q, k, v, residual = layer.qkv(out, cos, sin)
                 out = layer.finish(attend(i, q, k, v), residual)
             logits, hidden = draft.head(out)
-
-            probs = _shift(teacher_probs, 1 + j)
-            wanted = _shift(target_argmax, 1 + j)
-            mask = step_mask(loss_mask, j, documents).float()
-            logp = torch.log_softmax(logits.float(), dim=-1)
-            ce = -(probs * logp).sum(-1)
-            in_vocab = 1.0 if oov else t2d[wanted]
-            row_sums = (ce * mask * in_vocab).sum(-1)
+            row_sums, hit, mask = targets.terms(draft, logits, j)
             denom = (norm[j] if norm is not None else mask.sum()).clamp(min=1.0)
             loss = loss + self.decay**j * row_sums.sum() / denom
-            with torch.no_grad():
-                hit = (draft.to_target_ids(argmax(logp)) == wanted).float()
-                sums.append(row_sums.detach())
-                hits.append(hit)
-                masks.append(mask)
-        stack = functools.partial(torch.stack, dim=1)
-        correct = stack([(h * m).sum(-1) for h, m in zip(hits, masks, strict=True)])
-        count = stack([m.sum(-1) for m in masks])
-        return loss, StepStats(stack(sums), correct, count, chain_lengths(hits, masks))
+            sums.append(row_sums.detach())
+            hits.append(hit)
+            masks.append(mask)
+        return loss, StepStats.of(sums, hits, masks)
 
 
 def simulated_acceptance_length(acc: list[float]) -> float:

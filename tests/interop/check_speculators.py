@@ -148,6 +148,47 @@ def check_peagle(case_dir: Path, case: dict) -> float:
     return worst
 
 
+def check_dflash(case_dir: Path, case: dict) -> float:
+    """Ours vs speculators' DFlashDraftModel on the case's anchors (flex attention, then
+    eager): every slot of each block, the max abs difference of the draft-vocab logits."""
+    from speculators.losses import resolve_loss_config
+    from speculators.model import SpeculatorModel
+    from speculators.models.dflash import DFlashSpeculatorConfig, core
+
+    folder, anchors, ids = case_dir / "draft", case["anchors"], case["input_ids"]
+    worst = 0.0
+    for attn in (None, "eager"):
+        kwargs = {}
+        if attn is not None:
+            config = DFlashSpeculatorConfig.from_pretrained(str(folder))
+            config.transformer_layer_config._attn_implementation = attn
+            kwargs["config"] = config
+        model = SpeculatorModel.from_pretrained(str(folder), dtype=torch.float32, **kwargs)
+        model = model.eval()
+        assert type(model) is core.DFlashDraftModel, type(model)
+        assert model.mask_token_id == int(case["mask_token_id"])
+        assert model.config.sliding_window_non_causal and not model.uses_sliding_window_attn
+        captured: list[torch.Tensor] = []
+        select = core.select_anchors
+        model.lm_head.register_forward_hook(lambda mod, args, out, seen=captured: seen.append(out))
+        core.select_anchors = lambda *_: (anchors, torch.ones(len(anchors), dtype=torch.bool))
+        try:
+            with torch.no_grad():
+                model(hidden_states=case["aux"], input_ids=ids, loss_mask=torch.ones(ids.shape),
+                      verifier_last_hidden_states=torch.zeros(*ids.shape, model.config.transformer_layer_config.hidden_size),
+                      document_ids=torch.zeros_like(ids), max_anchors=len(anchors),
+                      loss_config=resolve_loss_config("kl_div", "eager"))  # fmt: skip
+        finally:
+            core.select_anchors = select
+        theirs = captured[0][0].view(len(anchors), -1, captured[0].shape[-1])
+        ours = case["block_logits"][anchors - 1]
+        diff = (theirs - ours).abs().amax(-1)
+        worst = max(worst, diff.max().item())
+        print(f"{case_dir.name} ({attn or 'flex'}): {len(anchors)} blocks of "
+              f"{theirs.shape[1]}, max abs diff per slot {diff.amax(0).tolist()}")  # fmt: skip
+    return worst
+
+
 def check_pinned_facts() -> None:
     """What eagletools.formats.speculators relies on, asserted against the installed package."""
     from speculators.models.eagle3 import Eagle3SpeculatorConfig
@@ -196,6 +237,9 @@ def main(root: Path) -> int:
     worst = 0.0
     for case_dir in sorted(p for p in root.iterdir() if (p / "case.safetensors").is_file()):
         case = load_file(str(case_dir / "case.safetensors"))
+        if "block_logits" in case:  # DFlash
+            worst = max(worst, check_dflash(case_dir, case))
+            continue
         if "mask_hidden" in case:  # P-EAGLE
             worst = max(worst, check_peagle(case_dir, case))
             continue

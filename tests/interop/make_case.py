@@ -4,7 +4,8 @@ and our module's draft-vocab logits on random inputs, all written under OUT.
 Step 2 (tests/interop/check_speculators.py, in the speculators venv) loads the
 converted checkpoint with `Eagle3DraftModel.from_pretrained` and compares. A `peagle`
 case is a P-EAGLE draft, loaded there by `PEagleDraftModel`; its expectation is our
-`ParallelModel` unroll, every depth at every anchor.
+`ParallelModel` unroll, every depth at every anchor. A `dflash` case is a DFlash draft,
+loaded there by `DFlashDraftModel`; its expectation is our `BlockModel`'s blocks.
 
 `make_case.py OUT [NAME ...]` makes the cases named (default: all).
 """
@@ -21,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from test_formats import save_target_folder  # noqa: E402
 
 from eagletools.cli import main as cli
-from eagletools.draft import DraftKVCache, Eagle3Draft, PEagleDraft
+from eagletools.draft import DFlashDraft, DraftKVCache, Eagle3Draft, PEagleDraft
 from eagletools.formats import Checkpoint, load_draft, save_checkpoint
 from eagletools.targets import load_target
 from eagletools.vocab import DraftVocab
@@ -58,6 +59,12 @@ CASES = {
     "peagle": dict(
         target=dict(model_type="qwen3", head_dim=16), kind=PEagleDraft, depths=4,
         draft=dict(qk_norm=True, norm_before_residual=True, norm_before_fc=True),
+    ),
+    # DFlash on a Llama target (SmolLM2's family): Qwen3 layers with q/k norms, two of them,
+    # a block of 4 that every slot sees whole
+    "dflash": dict(
+        target=dict(model_type="llama"), kind=DFlashDraft,
+        draft=dict(block_size=4, num_hidden_layers=2),
     ),
 }  # fmt: skip
 
@@ -138,6 +145,8 @@ def make_case(out: Path, name: str) -> None:
     ours = load_draft(out / "draft", target=target)
     aux = torch.randn(1, 12, 3 * 64, generator=g)
     input_ids = torch.randint(0, 256, (1, 12), generator=g)
+    if isinstance(ours, DFlashDraft):
+        return save_dflash_case(out, ours, aux, input_ids)
     positions = torch.arange(12) + 100
     with torch.no_grad():
         logits, _ = our_step0(ours, aux, input_ids, positions)
@@ -155,6 +164,23 @@ def make_case(out: Path, name: str) -> None:
     save_file({**case, "d2t": ours.d2t, "t2d": ours.t2d},
               str(out / "case.safetensors"))  # fmt: skip
     print(f"{name}: wrote {out}")
+
+
+def save_dflash_case(out: Path, ours: DFlashDraft, aux, input_ids) -> None:
+    """Our blocks after every position [T,S,Vd] (the block after t holds the token t+1
+    then the mask) and the anchors the check asks speculators for (its anchor a is the
+    position of the block's first token, so our block a-1)."""
+    from eagletools.train.block import BlockModel
+
+    assert ours.config.block_size == 4 and len(ours.layers) == 2
+    with torch.no_grad():
+        states = BlockModel(ours).block_states(input_ids, aux, None)
+        logits = ours.lm_head(states)[0]
+    case = {"aux": aux, "input_ids": input_ids, "block_logits": logits,
+            "anchors": torch.tensor([1, 4, 6, 12 - ours.config.block_size]),
+            "mask_token_id": torch.tensor(ours.config.mask_token_id)}  # fmt: skip
+    save_file(case, str(out / "case.safetensors"))
+    print(f"dflash: wrote {out}")
 
 
 if __name__ == "__main__":
