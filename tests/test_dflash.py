@@ -144,3 +144,24 @@ def test_dflash_refuses_what_it_cannot_run():
     for other in ("eagle3", "peagle"):
         with pytest.raises(UserError, match="'block_size' is set.*only a DFlash"):
             kind_of(DraftConfig(**good | {"kind": other}), "x.json")
+
+
+def test_engines_run_a_dflash_draft_at_its_trained_block(tmp_path, caplog):
+    """vLLM runs K+1 query slots for whatever K it is told; a DFlash draft's slots see
+    each other, so `eval --engine` asks for the trained block, not --depth."""
+    from eagletools.decode.session import Settings
+    from eagletools.engines import ENGINES
+    from eagletools.eval.engine_runner import launch_args
+    from eagletools.formats import Checkpoint, save_checkpoint
+
+    draft = tiny_dflash(aux_layer_ids=[1, 2, 3], block_size=6)
+    tensors = {k: v.detach().clone() for k, v in draft.state_dict().items()}
+    save_checkpoint(Checkpoint("memory", draft.config, tensors, "memory"), tmp_path / "d",
+                    "speculators")  # fmt: skip
+    from test_formats import save_target_folder
+
+    save_target_folder(tmp_path / "t", tiny_model("llama", vocab_size=256))
+    settings = Settings(target=str(tmp_path / "t"), draft=str(tmp_path / "d"), depth=3)
+    args, _ = launch_args(settings, ENGINES["vllm"])
+    assert args["draft_kind"] == "dflash" and args["num_speculative_tokens"] == 5
+    assert "proposes its whole trained block: 5 tokens a step, not --depth 3" in caplog.text

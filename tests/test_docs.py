@@ -240,7 +240,7 @@ def check_other(argv: list[str], where: str) -> None:
         assert argv[1] == "serve", f"{where}: only `vllm serve` is documented"
         if "--speculative-config" in argv:
             spec = json.loads(argv[argv.index("--speculative-config") + 1])
-            assert spec["method"] == "eagle3", where
+            assert spec["method"] in ("eagle3", "dflash"), where  # vLLM 0.32.0 methods we write for
             assert {"model", "num_speculative_tokens"} <= set(spec), where
             assert set(spec) <= VLLM_SPEC_KEYS, f"{where}: not vLLM's: {set(spec) - VLLM_SPEC_KEYS}"
     elif prog.startswith("python") and argv[1:2] == ["-m"]:

@@ -209,10 +209,10 @@ def test_a_peagle_recipe_trains_and_writes_a_speculators_draft(tmp_path):
     assert 1.0 <= result["simulated_acceptance_length"] <= 5.0
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "peagle"])
+@pytest.mark.parametrize("kind", ["eagle3", "peagle", "dflash"])
 def test_vllm_drafts_a_peagle_block_in_one_forward(monkeypatch, kind):
     """Without `parallel_drafting` vLLM would draft the P-EAGLE weights a token per forward,
-    with only a warning (spec: llm_base_proposer)."""
+    with only a warning (spec: llm_base_proposer); DFlash is its own method."""
     import json
     from pathlib import Path
 
@@ -224,7 +224,8 @@ def test_vllm_drafts_a_peagle_block_in_one_forward(monkeypatch, kind):
     argv = vllm.launch(request).argv
     spec = json.loads(argv[argv.index("--speculative-config") + 1])
     expected = {"method": "eagle3", "model": "d", "num_speculative_tokens": 4}
-    assert spec == expected | ({"parallel_drafting": True} if kind == "peagle" else {})
+    expected |= {"peagle": {"parallel_drafting": True}, "dflash": {"method": "dflash"}}.get(kind, {})
+    assert spec == expected
 
 
 @torch.inference_mode()

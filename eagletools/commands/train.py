@@ -11,7 +11,7 @@ from eagletools.train.recipe import TRACKERS, TrackingSection
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = add_command(
         subparsers, "train",
-        "Train a draft (EAGLE-3 or P-EAGLE: draft.kind), online or from a hidden-state cache",
+        "Train a draft (EAGLE-3, P-EAGLE or DFlash: draft.kind), online or from a hidden-state cache",
         "eagletools train recipes/smollm2-135m-cpu.yaml training.lr=2e-4 --output-dir runs/train",
     )  # fmt: skip
     add_recipe_argument(p)
