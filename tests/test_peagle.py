@@ -224,7 +224,9 @@ def test_vllm_drafts_a_peagle_block_in_one_forward(monkeypatch, kind):
     argv = vllm.launch(request).argv
     spec = json.loads(argv[argv.index("--speculative-config") + 1])
     expected = {"method": "eagle3", "model": "d", "num_speculative_tokens": 4}
-    expected |= {"peagle": {"parallel_drafting": True}, "dflash": {"method": "dflash"}}.get(kind, {})
+    expected |= {"peagle": {"parallel_drafting": True}, "dflash": {"method": "dflash"}}.get(
+        kind, {}
+    )
     assert spec == expected
 
 
