@@ -101,9 +101,9 @@ def test_a_block_tree_hangs_each_depths_candidates_under_the_best_before():
         logits[depth, best], logits[depth, second] = 0.0, -1.0
     from eagletools.kinds.base import Drafter
 
-    drafter = Drafter(draft, None, lambda ids, hidden: (logits[1:], hidden))
+    drafter = Drafter(draft, None, lambda ids, hidden: (logits[1:], hidden), None, 2, 3, 7)
     hidden = torch.zeros(draft.config.hidden_size)
-    tree = KINDS["peagle"].propose(drafter, 5, logits[0], hidden, None, 2, 3, 7)
+    tree = KINDS["peagle"].propose(drafter, 5, logits[0], hidden)
     assert tree.tokens.tolist() == [5, 11, 12, 21, 22, 31, 32]  # in the order drafted
     assert tree.parents.tolist() == [-1, 0, 0, 1, 1, 3, 3]
 

@@ -436,9 +436,9 @@ class SpeculativeDecoder:
         the cache slots compaction moves [1, path_rows], the draft's logits and hidden
         at the bonus)."""
         drafter = Drafter(self.draft, functools.partial(self._draft_step, length),
-                          functools.partial(self._draft_block, length))  # fmt: skip
-        tree = self.kind.propose(drafter, root, d_logits, d_hidden, self.d2t, self.topk,
-                                 self.depth, self.num_draft_tokens)  # fmt: skip
+                          functools.partial(self._draft_block, length), self.d2t, self.topk,
+                          self.depth, self.num_draft_tokens)  # fmt: skip
+        tree = self.kind.propose(drafter, root, d_logits, d_hidden)
         positions = length + tree.depths
         logits, aux = self.verify_forward(tree.tokens[None], positions, length, tree.mask)
         path, n_acc, bonus = self._verify(tree, logits[0], sampling, uniforms)

@@ -153,24 +153,3 @@ def select_tree(
     tree_tokens = torch.cat([root, tokens[chosen]])
     mask = ancestor_mask(tree_parents)
     return Tree(tree_tokens, tree_parents, mask.sum(1) - 1, mask)
-
-
-def block_tree(
-    rows: torch.Tensor,
-    d2t: torch.Tensor | None,
-    topk: int,
-    root: int | torch.Tensor,
-    num_draft_tokens: int,
-) -> Tree:
-    """A block draft's proposals as a tree: rows [depth, Vd], the draft's logits for each
-    depth from one forward. At each depth the `topk` best tokens, children of the best
-    one at the depth before (a chain at topk 1); the best `num_draft_tokens - 1` kept."""
-    from eagletools import kernels
-
-    depth = rows.shape[0]
-    logprobs, ids = kernels.topk_d2t(rows, d2t, topk)  # [depth, topk], best first
-    best = logprobs[:, :1].cumsum(0)  # the best path's score down to each depth
-    scores = torch.cat([logprobs[:1], best[:-1] + logprobs[1:]])
-    first = torch.arange(depth, device=rows.device) * topk  # each depth's best node
-    parents = torch.cat([first.new_full((1,), -1), first[:-1]]).repeat_interleave(topk)
-    return select_tree(scores.flatten(), ids.flatten(), parents, root, num_draft_tokens)

@@ -19,7 +19,9 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Drafter:
-    """The decoder's draft and its forwards, which a kind's `propose` composes.
+    """The decoder's draft, its forwards and the tree it asks for, which a kind's
+    `propose` composes: `depth` tokens deep, `topk` children per expanded node,
+    `num_draft_tokens` nodes (root included); `d2t` None for an identity vocabulary.
 
     `step(j, tokens, hidden, rows)`: one forward over a tree's frontier at depth j
     (`decode.tree.DraftStep`). `block(tokens [n], hidden [n, H] or None)`: one forward
@@ -30,7 +32,11 @@ class Drafter:
 
     draft: nn.Module
     step: DraftStep
-    block: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    block: Callable[[torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]]
+    d2t: torch.Tensor | None
+    topk: int
+    depth: int
+    num_draft_tokens: int
 
 
 class DraftKind(ABC):
@@ -74,20 +80,11 @@ class DraftKind(ABC):
 
     @abstractmethod
     def propose(
-        self,
-        drafter: Drafter,
-        root: int | torch.Tensor,
-        logits: torch.Tensor,
-        hidden: torch.Tensor,
-        d2t: torch.Tensor | None,
-        topk: int,
-        depth: int,
-        num_draft_tokens: int,
+        self, drafter: Drafter, root: int | torch.Tensor, logits: torch.Tensor, hidden: torch.Tensor
     ) -> Tree:
-        """The tree a speculative step verifies under `root`, `depth` tokens deep with
-        `topk` children per expanded node and `num_draft_tokens` nodes (root included),
-        from the draft's output at the root (`logits` [Vd], `hidden` [H]); no value is
-        read back to the host, so the step can be queued or compiled whole."""
+        """The tree of `drafter`'s shape a speculative step verifies under `root`, from the
+        draft's output at the root (`logits` [Vd], `hidden` [H]); no value is read back
+        to the host, so the step can be queued or compiled whole."""
 
     @abstractmethod
     def validate(self, config: DraftConfig, source: str) -> None:
@@ -101,3 +98,19 @@ class DraftKind(ABC):
                 f"{source}: field 'block_size' is set ({config.block_size}), which only a "
                 "DFlash draft uses; set kind to 'dflash' or drop the field"
             )
+
+
+def block_tree(rows: torch.Tensor, drafter: Drafter, root: int | torch.Tensor) -> Tree:
+    """A block draft's proposals as a tree: rows [depth, Vd], the draft's logits for each
+    depth from one forward. At each depth the `drafter.topk` best tokens, children of the
+    best one at the depth before (a chain at topk 1); the best `num_draft_tokens - 1` kept."""
+    from eagletools import kernels
+    from eagletools.decode.tree import select_tree
+
+    depth, topk = rows.shape[0], drafter.topk
+    logprobs, ids = kernels.topk_d2t(rows, drafter.d2t, topk)  # [depth, topk], best first
+    best = logprobs[:, :1].cumsum(0)  # the best path's score down to each depth
+    scores = torch.cat([logprobs[:1], best[:-1] + logprobs[1:]])
+    first = torch.arange(depth, device=rows.device) * topk  # each depth's best node
+    parents = torch.cat([first.new_full((1,), -1), first[:-1]]).repeat_interleave(topk)
+    return select_tree(scores.flatten(), ids.flatten(), parents, root, drafter.num_draft_tokens)

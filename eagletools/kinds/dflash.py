@@ -11,7 +11,7 @@ from torch import nn
 
 from eagletools.draft import DFlashDraft, DraftConfig
 from eagletools.errors import UserError
-from eagletools.kinds.base import Drafter, DraftKind
+from eagletools.kinds.base import Drafter, DraftKind, block_tree
 
 if TYPE_CHECKING:
     from eagletools.decode.tree import Tree
@@ -48,24 +48,14 @@ class DFlash(DraftKind):
         return BlockModel(draft, t.ttt_decay, t.attn_chunk, t.train_oov, t.anchor_share)
 
     def propose(
-        self,
-        drafter: Drafter,
-        root: int | torch.Tensor,
-        logits: torch.Tensor,
-        hidden: torch.Tensor,
-        d2t: torch.Tensor | None,
-        topk: int,
-        depth: int,
-        num_draft_tokens: int,
+        self, drafter: Drafter, root: int | torch.Tensor, logits: torch.Tensor, hidden: torch.Tensor
     ) -> Tree:
         """One forward over the whole trained block (`root`, then the mask: a shorter
         block computes other proposals, since its slots see each other), its first
-        `depth` proposals as a tree (`decode.tree.block_tree`). The refresh's `logits`
+        `depth` proposals as a tree (`kinds.base.block_tree`). The refresh's `logits`
         and `hidden` are empty: a DFlash refresh proposes nothing."""
-        from eagletools.decode.tree import block_tree
-
         rows = drafter.block(drafter.draft.block_ids(root), None)[0]
-        return block_tree(rows[1 : depth + 1], d2t, topk, root, num_draft_tokens)
+        return block_tree(rows[1 : drafter.depth + 1], drafter, root)
 
     def validate(self, config: DraftConfig, source: str) -> None:
         def refuse(field: str, value: Any, why: str) -> UserError:

@@ -37,20 +37,13 @@ class Eagle3(DraftKind):
         return TTTModel(draft, t.ttt_steps, t.ttt_decay, t.attn_chunk, t.train_oov)
 
     def propose(
-        self,
-        drafter: Drafter,
-        root: int | torch.Tensor,
-        logits: torch.Tensor,
-        hidden: torch.Tensor,
-        d2t: torch.Tensor | None,
-        topk: int,
-        depth: int,
-        num_draft_tokens: int,
+        self, drafter: Drafter, root: int | torch.Tensor, logits: torch.Tensor, hidden: torch.Tensor
     ) -> Tree:
         """An EAGLE-2 dynamic tree: `depth` draft forwards, each over the frontier."""
         from eagletools.decode.tree import grow_tree
 
-        return grow_tree(drafter.step, root, logits, hidden, d2t, topk, depth, num_draft_tokens)
+        d = drafter
+        return grow_tree(d.step, root, logits, hidden, d.d2t, d.topk, d.depth, d.num_draft_tokens)
 
     def validate(self, config: DraftConfig, source: str) -> None:
         self.refuse_block(config, source)

@@ -10,7 +10,7 @@ from torch import nn
 
 from eagletools.draft import DraftConfig, PEagleDraft
 from eagletools.errors import UserError
-from eagletools.kinds.base import Drafter, DraftKind
+from eagletools.kinds.base import Drafter, DraftKind, block_tree
 
 if TYPE_CHECKING:
     from eagletools.decode.tree import Tree
@@ -36,25 +36,15 @@ class PEagle(DraftKind):
         return ParallelModel(draft, t.ttt_steps, t.ttt_decay, t.attn_chunk, t.train_oov)
 
     def propose(
-        self,
-        drafter: Drafter,
-        root: int | torch.Tensor,
-        logits: torch.Tensor,
-        hidden: torch.Tensor,
-        d2t: torch.Tensor | None,
-        topk: int,
-        depth: int,
-        num_draft_tokens: int,
+        self, drafter: Drafter, root: int | torch.Tensor, logits: torch.Tensor, hidden: torch.Tensor
     ) -> Tree:
         """The block's `depth` proposals from one forward over its `depth - 1` mask slots
-        (the root's own row gave the first), as a tree (`decode.tree.block_tree`)."""
-        from eagletools.decode.tree import block_tree
-
+        (the root's own row gave the first), as a tree (`kinds.base.block_tree`)."""
         rows = logits.view(1, -1)
-        if depth > 1:
-            ids, state = drafter.draft.mask_inputs(depth - 1, hidden.dtype)
+        if drafter.depth > 1:
+            ids, state = drafter.draft.mask_inputs(drafter.depth - 1, hidden.dtype)
             rows = torch.cat([rows, drafter.block(ids, state)[0]])
-        return block_tree(rows, d2t, topk, root, num_draft_tokens)
+        return block_tree(rows, drafter, root)
 
     def validate(self, config: DraftConfig, source: str) -> None:
         self.refuse_block(config, source)

@@ -23,12 +23,11 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from eagletools.train.packing import document_positions
-from eagletools.train.ttt import DepthTargets, StepStats, step_mask
+from eagletools.train.ttt import DepthLosses, DepthObjective, step_mask
 
 
-class BlockModel(nn.Module):
-    """Wraps a `DFlashDraft` so that DDP/FSDP see the block objective as one `forward`;
-    the `TTTModel` interface, with depth j's loss weighted by `decay**j`."""
+class BlockModel(DepthObjective):
+    """DFlash's objective over a `DFlashDraft`: slot j+1 of every block is depth j."""
 
     def __init__(self, draft: nn.Module, decay: float = 0.8, chunk: int = 512,
                  train_oov: bool = False, anchor_share: float = 1.0):  # fmt: skip
@@ -92,44 +91,18 @@ class BlockModel(nn.Module):
         drawn = taught.gather(1, anchors).sum(-1)
         return anchors, taught.sum(-1) / drawn.clamp(min=1.0)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        aux: torch.Tensor,
-        loss_mask: torch.Tensor,
-        teacher_probs: torch.Tensor,
-        target_argmax: torch.Tensor,
-        norm: torch.Tensor | None = None,
-        steps: int | None = None,
-        train_oov: bool | None = None,
-        documents: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, StepStats]:
-        """`TTTModel.forward`'s contract. The block is the draft's whatever `steps` asks
-        (a shorter one computes another draft: its slots see each other); stats come for
-        `steps` depths, those past the block with nothing counted."""
-        oov = self.train_oov if train_oov is None else train_oov
-        targets = DepthTargets(teacher_probs, target_argmax, loss_mask, documents, oov)
-        anchors, scale = None, None
+    def add_depths(
+        self, losses: DepthLosses, input_ids: torch.Tensor, aux: torch.Tensor, steps: int | None
+    ) -> None:
+        """Every block of the draft's size whatever `steps` asks (a shorter one computes
+        another draft: its slots see each other); a training step's anchors are drawn
+        (`sample_anchors`), the held-out pass's are every position."""
+        anchors, scale, documents = None, None, losses.targets.documents
         if self.training and self.anchor_share < 1:
-            anchors, scale = self.sample_anchors(loss_mask, documents)
+            anchors, scale = self.sample_anchors(losses.targets.loss_mask, documents)
         states = self.block_states(input_ids, aux, documents, anchors)
-        loss = states.new_zeros((), dtype=torch.float32)
-        sums, hits, masks = [], [], []
         for j in range(self.steps):
-            logits = self.draft.lm_head(states[:, :, j + 1])
-            row_sums, hit, mask = targets.terms(self.draft, logits, j, anchors)
-            denom = (norm[j] if norm is not None else mask.sum()).clamp(min=1.0)
-            weighted = row_sums if scale is None else row_sums * scale
-            loss = loss + self.decay**j * weighted.sum() / denom
-            sums.append(row_sums.detach())
-            hits.append(hit)
-            masks.append(mask)
-        for _ in range(self.steps, steps or self.steps):  # depths no block of this draft has
-            sums.append(torch.zeros_like(sums[0]))
-            hits.append(torch.zeros_like(hits[0]))
-            masks.append(torch.zeros_like(masks[0]))
-        wanted = steps or self.steps
-        return loss, StepStats.of(sums[:wanted], hits[:wanted], masks[:wanted])
+            losses.add(self.draft, self.draft.lm_head(states[:, :, j + 1]), anchors, scale)
 
 
 def anchored_attention(

@@ -257,13 +257,90 @@ class DepthTargets:
         return row_sums, hit, mask
 
 
-class TTTModel(nn.Module):
-    """Wraps a draft so that DDP/FSDP see the whole unroll as one `forward`.
+class DepthLosses:
+    """A forward's loss and stats, depth by depth: depth j's loss, summed under its mask
+    and divided by `norm[j]` (the trainer's global count; default the local one), is
+    weighted by `decay**j`."""
+
+    def __init__(self, targets: DepthTargets, decay: float, norm: torch.Tensor | None):
+        self.targets, self.decay, self.norm = targets, decay, norm
+        self.loss = torch.zeros((), dtype=torch.float32)
+        self.sums: list[torch.Tensor] = []
+        self.hits: list[torch.Tensor] = []
+        self.masks: list[torch.Tensor] = []
+
+    def add(self, draft: nn.Module, logits: torch.Tensor, rows: torch.Tensor | None = None,
+            scale: torch.Tensor | None = None) -> None:  # fmt: skip
+        """The next depth's logits (at `rows`, see `DepthTargets.terms`), each row's loss
+        times `scale` [B] if given."""
+        j = len(self.sums)
+        row_sums, hit, mask = self.targets.terms(draft, logits, j, rows)
+        denom = (self.norm[j] if self.norm is not None else mask.sum()).clamp(min=1.0)
+        weighted = row_sums if scale is None else row_sums * scale
+        self.loss = self.loss.to(logits.device) + self.decay**j * weighted.sum() / denom
+        self.sums.append(row_sums.detach())
+        self.hits.append(hit)
+        self.masks.append(mask)
+
+    def result(self, steps: int | None = None) -> tuple[torch.Tensor, StepStats]:
+        """(loss, stats) for `steps` depths: those past the ones added count nothing."""
+        steps = steps or len(self.sums)
+        pad = [torch.zeros_like(x[0]) for x in (self.sums, self.hits, self.masks)]
+        sums, hits, masks = ((x + [p] * steps)[:steps] for x, p in
+                             zip((self.sums, self.hits, self.masks), pad, strict=True))  # fmt: skip
+        return self.loss, StepStats.of(sums, hits, masks)
+
+
+class DepthObjective(nn.Module):
+    """What the trainer optimises, any kind: a draft wrapped so that DDP/FSDP see its
+    whole objective as one `forward`, which `add_depths` fills depth by depth.
 
     `train_oov`: also train the positions whose target argmax is outside the draft
     vocab; the draft can never be accepted there, but its teacher, the target's
     distribution over the draft vocab, still shapes the shared features.
     """
+
+    draft: nn.Module
+    decay: float
+    train_oov: bool
+
+    def add_depths(
+        self, losses: DepthLosses, input_ids: torch.Tensor, aux: torch.Tensor, steps: int | None
+    ) -> None:
+        """Run the draft and `losses.add` each depth's logits (`losses.targets` holds the
+        batch's loss mask and documents)."""
+        raise NotImplementedError
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        aux: torch.Tensor,
+        loss_mask: torch.Tensor,
+        teacher_probs: torch.Tensor,
+        target_argmax: torch.Tensor,
+        norm: torch.Tensor | None = None,
+        steps: int | None = None,
+        train_oov: bool | None = None,
+        documents: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, StepStats]:
+        """Right-padded batch [B,T] -> (loss, per-row stats for `steps` depths).
+
+        loss = sum_j decay^j * loss_sum_j / norm_j; `norm` [K] defaults to the
+        local masked counts. The trainer passes global counts (over ranks and
+        accumulation steps) so any split of a batch gives the same gradient.
+        `steps` and `train_oov` override the model's (held-out evaluation).
+        `documents` [B,T] marks packed rows' conversations (`train.packing`): each is
+        trained as if alone in its row.
+        """
+        oov = self.train_oov if train_oov is None else train_oov
+        targets = DepthTargets(teacher_probs, target_argmax, loss_mask, documents, oov)
+        losses = DepthLosses(targets, self.decay, norm)
+        self.add_depths(losses, input_ids, aux, steps)
+        return losses.result(steps)
+
+
+class TTTModel(DepthObjective):
+    """EAGLE-3's objective: the training-time-test unroll, `steps` deep."""
 
     def __init__(
         self,
@@ -298,35 +375,17 @@ class TTTModel(nn.Module):
         embeds = self.draft.embed_tokens(_shift(input_ids, 1 + j)).to(hidden.dtype)
         return embeds, hidden
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        aux: torch.Tensor,
-        loss_mask: torch.Tensor,
-        teacher_probs: torch.Tensor,
-        target_argmax: torch.Tensor,
-        norm: torch.Tensor | None = None,
-        steps: int | None = None,
-        train_oov: bool | None = None,
-        documents: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, StepStats]:
-        """Right-padded batch [B,T] -> (loss, per-row stats).
-
-        loss = sum_j decay^j * loss_sum_j / norm_j; `norm` [K] defaults to the
-        local masked counts. The trainer passes global counts (over ranks and
-        accumulation steps) so any split of a batch gives the same gradient.
-        `steps` and `train_oov` override the model's (held-out evaluation).
-        `documents` [B,T] marks packed rows' conversations (`train.packing`): each is
-        unrolled as if alone in its row.
-        """
-        draft = self.draft
+    def add_depths(
+        self, losses: DepthLosses, input_ids: torch.Tensor, aux: torch.Tensor, steps: int | None
+    ) -> None:
+        """The unroll: step j's logits are depth j's."""
+        draft, documents = self.draft, losses.targets.documents
         t = input_ids.shape[1]
         hidden = draft.fuse_aux(aux.to(draft.fc.weight.dtype))
         if documents is None:
             positions = torch.arange(t, device=input_ids.device)
         else:
             positions = document_positions(documents)
-        oov = self.train_oov if train_oov is None else train_oov
         layers = draft.draft_layers()
         keys: list[list[torch.Tensor]] = [[] for _ in layers]  # per layer: step 0's, diagonals
         values: list[list[torch.Tensor]] = [[] for _ in layers]
@@ -337,9 +396,6 @@ class TTTModel(nn.Module):
             ks, vs = keys[i], values[i]
             return ttt_attention(q, ks[0], vs[0], ks[1:], vs[1:], self.chunk, documents)
 
-        targets = DepthTargets(teacher_probs, target_argmax, loss_mask, documents, oov)
-        loss = hidden.new_zeros((), dtype=torch.float32)
-        sums, hits, masks = [], [], []
         for j in range(steps or self.steps):
             embeds, hidden = self.step_inputs(j, input_ids, hidden)
             cos, sin = draft.rope(positions + j, hidden.dtype)
@@ -349,13 +405,7 @@ class TTTModel(nn.Module):
                 q, k, v, residual = layer.qkv(out, cos, sin)
                 out = layer.finish(attend(i, q, k, v), residual)
             logits, hidden = draft.head(out)
-            row_sums, hit, mask = targets.terms(draft, logits, j)
-            denom = (norm[j] if norm is not None else mask.sum()).clamp(min=1.0)
-            loss = loss + self.decay**j * row_sums.sum() / denom
-            sums.append(row_sums.detach())
-            hits.append(hit)
-            masks.append(mask)
-        return loss, StepStats.of(sums, hits, masks)
+            losses.add(draft, logits)
 
 
 def simulated_acceptance_length(acc: list[float]) -> float:
