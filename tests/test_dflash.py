@@ -165,3 +165,19 @@ def test_engines_run_a_dflash_draft_at_its_trained_block(tmp_path, caplog):
     args, _ = launch_args(settings, ENGINES["vllm"])
     assert args["draft_kind"] == "dflash" and args["num_speculative_tokens"] == 5
     assert "proposes its whole trained block: 5 tokens a step, not --depth 3" in caplog.text
+
+
+def test_anchored_attention_scores_no_key_past_a_chunks_last_anchor(monkeypatch):
+    """At 32k tokens a chunk's fp32 scores over every key would be 2 GiB (32 heads): the
+    keys after its last (sorted) anchor, masked anyway, are not scored."""
+    from eagletools.train import block
+
+    seen = []
+    real = block._anchored_chunk
+    monkeypatch.setattr(block, "_anchored_chunk", lambda q, ck, *rest: (seen.append(ck.shape[2]), real(q, ck, *rest))[1])  # fmt: skip
+    q, k = torch.randn(1, 4, 6 * 2, 8), torch.randn(1, 2, 6 * 2, 8)
+    context = torch.randn(1, 2, 100, 8)
+    anchors = torch.tensor([[3, 5, 9, 40, 41, 60]])
+    with torch.no_grad():
+        block.anchored_attention(q, k, k, context, context, anchors, 2, 4, None)
+    assert seen == [6, 41, 61]  # chunks of 2 anchors (4 rows / 2 slots)
