@@ -19,23 +19,11 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
-
-def cpu_name() -> str:
-    """lscpu's model name, or the platform's when lscpu is missing."""
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        import platform
-
-        return platform.processor() or "unknown CPU"
-    names = [line.split(":", 1)[1].strip() for line in out.splitlines()
-             if line.startswith("Model name")]  # fmt: skip
-    return names[0] if names else "unknown CPU"
+from eagletools.decode.timing import cpu_model
 
 
 def timed_step(trainer) -> tuple[int, float]:
@@ -86,7 +74,7 @@ def main() -> None:
                 if step >= args.warmup:
                     runs[name].append((tokens, seconds))
     t = base.training
-    print(f"{args.recipe}: {cpu_name()}, {os.cpu_count()} CPUs, load average "
+    print(f"{args.recipe}: {cpu_model()}, {os.cpu_count()} CPUs, load average "
           f"{load_before:.2f} before, {os.getloadavg()[0]:.2f} after; online, batch "
           f"{t.batch_size} rows, {t.ttt_steps} unrolled steps, "
           f"{dtype_name(str(trainers['padded'].dtype))}; steps {args.warmup + 1}-{total} "

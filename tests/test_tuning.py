@@ -59,7 +59,9 @@ def test_no_shape_tunes_once_then_takes_the_cached_choice(tiny_target, tmp_path,
     caplog.set_level(logging.INFO)
     calls = fake_timer(monkeypatch, speeds("1/3/4"))
     assert main(eval_args(tiny_target, tmp_path, "first")) == 0
-    assert calls == [[tuning.shape_label(g) for g in GRID]]  # plain among them
+    labels = [tuning.shape_label(g) for g in GRID]  # plain among them
+    # a warm-up, then each round in another order
+    assert calls == [labels, *(labels[r:] + labels[:r] for r in range(tuning.TUNE_ROUNDS))]
     first = results(tmp_path, "first")
     assert first["tree"]["source"] == "tuned" and not first["tree"]["plain"]
     assert (first["settings"]["topk"], first["settings"]["depth"]) == (1, 3)
@@ -72,7 +74,7 @@ def test_no_shape_tunes_once_then_takes_the_cached_choice(tiny_target, tmp_path,
     caplog.clear()
     assert main(eval_args(tiny_target, tmp_path, "again")) == 0
     assert main(generate_args(tiny_target)) == 0
-    assert len(calls) == 1, "a cached choice was timed again"
+    assert len(calls) == 1 + tuning.TUNE_ROUNDS, "a cached choice was timed again"
     assert results(tmp_path, "again")["tree"]["source"] == "cache"
     assert results(tmp_path, "again")["settings"]["num_draft_tokens"] == 4
     assert caplog.text.count("tree 1/3/4 (topk/depth/nodes), 3.00x") == 2
@@ -103,7 +105,7 @@ def test_plain_decoding_wins_and_the_draft_is_not_run(tiny_target, tmp_path, mon
     report = (tmp_path / "out" / "results.md").read_text()
     assert "plain decoding: the tree shape tune found none faster here" in report
     assert main(generate_args(tiny_target)) == 0
-    assert "[plain]" in capsys.readouterr().err and len(calls) == 1
+    assert "[plain]" in capsys.readouterr().err and len(calls) == 1 + tuning.TUNE_ROUNDS
 
 
 def fake_tune(shape) -> dict:
@@ -166,3 +168,51 @@ def test_no_tune_and_autotune_take_the_fixed_shape_untimed():
         Settings(draft="random", autotune=True), lambda *_: pytest.fail(), GRID
     )
     assert autotune.shape == tuning.FIXED_SHAPE and autotune.line() is None
+
+
+class FakeDecoder:
+    """Decodes 8 tokens in 1 s; its first two calls (compiling, packing) take 100 s."""
+
+    draft = None
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def reset(self) -> None:
+        pass
+
+    def generate(self, ids, max_new_tokens, sampling, generator=None):
+        from types import SimpleNamespace
+
+        self.calls += 1
+        return SimpleNamespace(tokens=[0] * 8, seconds=100.0 if self.calls <= 2 else 1.0)
+
+
+def test_no_candidate_is_timed_cold(tiny_target):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target)
+    made = {}
+    tune, _ = tuning.time_shapes(
+        [None, (1, 2, 3)], lambda shape: made.setdefault(shape, FakeDecoder()),
+        ["a prompt"], tokenizer, 8, None, 0, "cpu",
+    )  # fmt: skip
+    for trial in tune["trials"]:
+        assert trial["rounds"] == [8.0] * tuning.TUNE_ROUNDS and trial["tokens_per_s"] == 8.0
+    assert tune["rounds"] == tuning.TUNE_ROUNDS
+
+
+def test_the_load_meter_counts_other_processes_only(monkeypatch):
+    """Our own threads are not other work: a process tree busy on both CPUs reads 0."""
+    from types import SimpleNamespace
+
+    from eagletools.decode import timing
+
+    clock = {"own": 0.0, "busy": 0.0}
+    monkeypatch.setattr(timing, "_own_cpu_seconds", lambda: clock["own"])
+    monkeypatch.setattr(timing, "_busy_cpu_seconds", lambda: clock["busy"])
+    monkeypatch.setattr(timing, "time", SimpleNamespace(perf_counter=lambda: clock["busy"] / 2.5))
+    meter = timing.LoadMeter()
+    with meter.timing():  # 10 s: we ran 20 CPU-seconds, the machine 25
+        clock["own"], clock["busy"] = 20.0, 25.0
+    assert meter.result()["own_cpus"] == 2.0 and meter.result()["others"] == 0.5

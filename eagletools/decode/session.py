@@ -32,6 +32,7 @@ from eagletools.decode.timing import loaded_by_others, machine_key
 from eagletools.decode.tuning import (
     FIXED_SHAPE,
     TUNE_PROMPTS,
+    TUNE_ROUNDS,
     TUNE_TOKENS,
     Shape,
     TreeChoice,
@@ -205,7 +206,7 @@ def tune_key(s: Settings, grid: Sequence[Shape | None]) -> dict:
         "fast_numerics": s.fast_numerics, "sampling": [s.temperature, s.top_k, s.top_p],
         "eagletools": __version__, "torch": torch.__version__,
         "grid": [shape_label(g) for g in grid], "prompts": len(TUNE_PROMPTS),
-        "tokens": TUNE_TOKENS,
+        "tokens": TUNE_TOKENS, "rounds": TUNE_ROUNDS,
     }  # fmt: skip
 
 
@@ -237,9 +238,9 @@ def choose_tree(
     chosen = trial_shape(tune["best"])
     if loaded_by_others(tune["load_during_timing"], os.cpu_count()):
         # a choice timed beside other work would stay wrong for every later run: not kept
-        log.warning("other work loaded the machine during the tree shape tune (load average "
-                    "up to %s): its choice serves this run only, and the next run tunes again",
-                    tune["load_during_timing"]["max"])  # fmt: skip
+        log.warning("other processes kept %s CPUs busy during the tree shape tune: its "
+                    "choice serves this run only, and the next run tunes again",
+                    tune["load_during_timing"]["others"])  # fmt: skip
         return TreeChoice(chosen, "tuned", tune)
     keep_choice(key, chosen, tune)
     return TreeChoice(chosen, "tuned", tune)

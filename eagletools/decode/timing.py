@@ -6,20 +6,22 @@ timed `Completion` with its own counters. Methods entered together (a group)
 take each prompt in turn, so a change in machine load hits them alike; groups
 run one after another (an engine's plain server, then its server with the
 draft). A multi-turn conversation feeds each method its own earlier answers
-through the target's chat template. The load average is sampled around the
-timed runs, beside this process tree's own CPU use, so a report can say when
-other work skewed the timings. It sits below eval/ because the tree shape tune
+through the target's chat template. Other processes' CPU use is counted around
+the timed runs (`LoadMeter`), so a report can say when other work skewed the
+timings. It sits below eval/ because the tree shape tune
 (decode.tuning) times with it too.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import platform
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from eagletools.data.chat import chat_ids
@@ -125,6 +127,7 @@ def machine() -> dict:
     return {
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
+        "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
@@ -133,18 +136,43 @@ def machine() -> dict:
     }
 
 
+ISA_LEVELS = (("amx_bf16", "AMX"), ("avx512_bf16", "AVX-512 BF16"), ("avx512f", "AVX-512"),
+              ("avx2", "AVX2"))  # fmt: skip
+
+
+@functools.cache
+def cpu_model() -> str:
+    """The CPU as a figure must name it: model name, family and model, and the widest
+    vector ISA, e.g. `AMD EPYC (family 25 model 1, AVX2)`. Cloud CPUs often report a
+    bare `AMD EPYC`, under which a Zen 3 (AVX2) and a Zen 4 (AVX-512 BF16) decode at
+    different speeds."""
+    fields: dict[str, str] = {}
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in ("model name", "cpu family", "model", "flags"):
+                fields.setdefault(key.strip(), value.strip())
+            elif not line.strip() and fields:
+                break  # the first core describes them all
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    flags = set(fields.get("flags", "").split())
+    isa = next((label for flag, label in ISA_LEVELS if flag in flags), None)
+    detail = [f"family {fields['cpu family']} model {fields['model']}"] if "model" in fields else []
+    detail += [isa] if isa else []
+    return f"{name} ({', '.join(detail)})" if detail else name
+
+
 def machine_key(device: torch.device) -> str:
     """What a figure measured on `device` depends on besides the work: the device type,
     the GPU or CPU model, the cores and torch's threads (a key of the eagletools cache)."""
     import torch
 
-    cpu = platform.processor() or platform.machine()
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model()
     return f"{device.type}|{where}|{os.cpu_count()} cpus|{torch.get_num_threads()} threads"
 
 
 def loaded_by_others(load: dict | None, cpu_count: int | None) -> bool:
-    """Whether other work kept over half the cores busy while timing (`LoadMeter.result`)."""
+    """Whether other processes kept over half the cores busy while timing (`LoadMeter.result`)."""
     return bool(load) and load["others"] > (cpu_count or 1) / 2
 
 
@@ -165,32 +193,47 @@ def _own_cpu_seconds() -> float:
     return total
 
 
+def _busy_cpu_seconds() -> float:
+    """CPU seconds every process on the machine has run (all cores, not idle or waiting)."""
+    import psutil
+
+    t = psutil.cpu_times()
+    return sum(t) - t.idle - getattr(t, "iowait", 0.0)
+
+
 class LoadMeter:
-    """The 1-minute load average sampled around timed runs, less our own busy CPUs."""
+    """Other processes' CPU use around timed runs: the machine's busy CPU seconds less
+    this process tree's, per wall second. Counted, not read off the load average,
+    which lags by a minute and counts our own threads (the compile or prefill just
+    before a timing read as "other work" on 2 cores)."""
 
     def __init__(self) -> None:
         self.samples: list[float] = []
-        self.cpu = self.wall = 0.0
+        self.cpu = self.busy = self.wall = 0.0
 
     def sample(self) -> None:
         self.samples.append(os.getloadavg()[0])
 
     @contextlib.contextmanager
     def timing(self) -> Iterator[None]:
-        cpu, start = _own_cpu_seconds(), time.perf_counter()
+        cpu, busy, start = _own_cpu_seconds(), _busy_cpu_seconds(), time.perf_counter()
         self.sample()
         try:
             yield
         finally:
             self.sample()
             self.cpu += _own_cpu_seconds() - cpu
+            self.busy += _busy_cpu_seconds() - busy
             self.wall += time.perf_counter() - start
 
     def result(self) -> dict:
+        """`others`: CPUs other processes kept busy on average; `max`: the peak load
+        average, for the record."""
         peak = max(self.samples, default=os.getloadavg()[0])
         own = self.cpu / self.wall if self.wall else 0.0
+        others = (self.busy - self.cpu) / self.wall if self.wall else 0.0
         return {"max": round(peak, 2), "own_cpus": round(own, 2),
-                "others": round(max(peak - own, 0.0), 2), "samples": len(self.samples)}  # fmt: skip
+                "others": round(max(others, 0.0), 2), "samples": len(self.samples)}  # fmt: skip
 
 
 @dataclass

@@ -5,7 +5,8 @@ topk 4, depth 5, 16 nodes gave tau 1.8 at 0.97x plain decoding's tokens/s on
 2 cores). So a run that gives no shape times a grid (plain decoding and its draft
 kind's shapes, `DraftKind.shapes`) and keeps the fastest: plain decoding when no shape beats
 it (decode.session.choose_tree, which also caches the choice). Every shape
-takes each prompt in turn (decode.timing), so a change in load hits them alike.
+is warmed on the prompts first, then takes each prompt in turn, in rounds
+(decode.timing), so a change in load hits them alike; medians are kept.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -29,6 +31,7 @@ Shape = tuple[int, int, int]  # (topk, depth, num_draft_tokens)
 
 FIXED_SHAPE: Shape = (4, 5, 16)  # --no-tune; and the rest of a shape given in part
 TUNE_TOKENS = 64  # per prompt and shape: a small fixed budget
+TUNE_ROUNDS = 3  # timed rounds per shape after its warm-up; the median kept
 TUNE_PROMPTS = (
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
     "Explain how a hash table works, with a small Python example.",
@@ -160,30 +163,49 @@ def time_shapes(
     sampling: Sampling,
     seed: int,
     device: str,
+    rounds: int = TUNE_ROUNDS,
 ) -> tuple[dict, dict[Shape | None, object]]:
     """Time each shape of `grid` (`decoder(shape)` makes its decoder; None: plain) on
-    `prompts`: (the tune: its trials, the best and the load while timing; the decoders,
-    so the chosen one is kept, its compiled step not made again)."""
+    `prompts`: (the tune: its trials, the best and other processes' load while timing;
+    the decoders, so the chosen one is kept, its compiled step not made again).
+
+    Every candidate first decodes every prompt untimed (compiled graphs, packed
+    weights and caches at size: no cold candidate is timed). Then `rounds` rounds,
+    each prompt through every candidate in turn, the order rotated each round; a
+    trial's tokens/s is the median of its rounds'.
+    """
     tried = {shape: decoder(shape) for shape in grid}
     timed = [
         Decoder(shape_label(shape), d, max_new_tokens, sampling,
                 torch.Generator(device=device).manual_seed(seed))
         for shape, d in tried.items()
     ]  # fmt: skip
-    measured = run_methods([timed], [(p,) for p in prompts], tokenizer, progress=False)
-    trials = [_trial(shape, measured.runs[shape_label(shape)]) for shape in grid]
+    conversations = [(p,) for p in prompts]
+    run_methods([timed], conversations, tokenizer, progress=False)  # the untimed warm-up
+    runs: dict[str, list[list[Run]]] = {}
+    loads = []
+    for r in range(rounds):
+        order = timed[r % len(timed) :] + timed[: r % len(timed)]
+        measured = run_methods([order], conversations, tokenizer, progress=False)
+        loads.append(measured.machine["load_during_timing"])
+        for key, got in measured.runs.items():
+            runs.setdefault(key, []).append(got)
+    trials = [_trial(shape, runs[shape_label(shape)]) for shape in grid]
     best = max(trials, key=lambda t: t["tokens_per_s"])  # the first of equals: plain leads
-    tune = {"prompts": len(prompts), "max_new_tokens": max_new_tokens, "trials": trials,
-            "best": best, "load_during_timing": measured.machine["load_during_timing"]}  # fmt: skip
+    tune = {"prompts": len(prompts), "max_new_tokens": max_new_tokens, "rounds": rounds,
+            "trials": trials, "best": best,
+            "load_during_timing": max(loads, key=lambda load: load["others"])}  # fmt: skip
     return tune, tried
 
 
-def _trial(shape: Shape | None, runs: list[Run]) -> dict:
-    """One shape's figures in a tune: tokens/s over its prompts, and tau (plain: 1)."""
+def _trial(shape: Shape | None, rounds: list[list[Run]]) -> dict:
+    """One shape's figures in a tune: the median over rounds of tokens/s over its prompts
+    (each round's kept), and tau over every step (plain: 1)."""
     topk, depth, nodes = shape or (None, None, None)
-    accepted = [a for r in runs for a in r.accepted or []]
+    rates = [sum(r.num_tokens for r in runs) / sum(r.seconds for r in runs) for runs in rounds]
+    accepted = [a for runs in rounds for r in runs for a in r.accepted or []]
     return {
         "topk": topk, "depth": depth, "num_draft_tokens": nodes,
-        "tokens_per_s": sum(r.num_tokens for r in runs) / sum(r.seconds for r in runs),
+        "tokens_per_s": statistics.median(rates), "rounds": [round(x, 2) for x in rates],
         "tau": 1 + sum(accepted) / len(accepted) if shape and accepted else 1.0,
     }  # fmt: skip

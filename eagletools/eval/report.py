@@ -56,8 +56,8 @@ def load_warning(machine: dict) -> list[str]:
         return []
     return [
         "",
-        f"**Other work loaded the machine while it was timed: load average up to "
-        f"{_fmt(load['max'])}, of which {_fmt(load['own_cpus'])} CPUs were this run's, on "
+        f"**Other work loaded the machine while it was timed: other processes kept "
+        f"{_fmt(load['others'])} CPUs busy (this run {_fmt(load['own_cpus'])}) of "
         f"{machine['cpu_count']} cores. Tokens/s and speedups are unreliable; rerun on an idle "
         f"machine.**",
     ]
