@@ -29,7 +29,9 @@ def bf16():
 @torch.inference_mode()
 def test_compiled_steps_follow_the_eager_ones_through_the_cache():
     """Several decode steps in fp32: the compiled forward writes and reads the KV
-    cache (not frozen into the graph with the weights) as the eager one does."""
+    cache (not frozen into the graph with the weights) as the eager one does, and
+    follows the cache when it grows midway: a new tensor, which the step's guards
+    (`compiling.frozen_module_guards` drops the modules' own) must still see."""
     runtime = Transformer.from_hf(smollm2_shaped(), torch.float32)
     forward = compiled(runtime)
     g = torch.Generator().manual_seed(1)
@@ -39,12 +41,13 @@ def test_compiled_steps_follow_the_eager_ones_through_the_cache():
     for name, fn in (("eager", runtime), ("compiled", forward)):
         runtime.setup_caches(1, 64)
         runtime(prompt, torch.arange(30), 0)
-        logits[name] = torch.stack(
-            [
-                fn(t.view(1, 1), torch.tensor([30 + i]), 30 + i)[0][0, -1]
-                for i, t in enumerate(steps)
-            ]
-        )
+        rows = []
+        for i, t in enumerate(steps):
+            if i == 3:
+                runtime.reserve(300)  # a grown copy: another tensor, another shape
+            rows.append(fn(t.view(1, 1), torch.tensor([30 + i]), 30 + i)[0][0, -1])
+        logits[name] = torch.stack(rows)
+    assert runtime.cache_len >= 300
     torch.testing.assert_close(logits["compiled"], logits["eager"], rtol=1e-4, atol=1e-4)
 
 
