@@ -7,7 +7,8 @@ turn (greedy), so machine load hits them alike:
 - Hugging Face prompt-lookup decoding (`prompt_lookup_num_tokens`);
 - Hugging Face assisted generation, when a smaller model with the target's
   tokenizer is given (`--assistant`); the row says why when none is;
-- our plain decoder (the baseline of every speedup we report);
+- our plain decoder (the baseline of every speedup we report), with `--compile`
+  eager as well;
 - our chain drafting (`topk=1`) and our tree drafting with the EAGLE-3 draft;
 - with `--engines`, each installed serving engine (vLLM, llama.cpp) plainly and
   with the same draft as a chain of `--chain-depth`: each runs as its own
@@ -60,6 +61,7 @@ def in_process(args, s: Settings, decoders) -> tuple[list[Method], list[str]]:
         HuggingFace(f"HF prompt lookup ({args.prompt_lookup_tokens} tokens)", model, n, eos,
                     reference=HF, prompt_lookup_num_tokens=args.prompt_lookup_tokens),
         Decoder(OURS, decoders.baseline, n),
+        *eager_baseline(decoders, s, n),
         Decoder(f"eagletools chain (topk=1, depth={args.chain_depth})", chain, n, reference=OURS),
         Decoder(f"eagletools tree (topk={s.topk}, depth={s.depth}, nodes={s.num_draft_tokens})",
                 decoders.speculative, n, reference=OURS),
@@ -76,6 +78,16 @@ def in_process(args, s: Settings, decoders) -> tuple[list[Method], list[str]]:
     methods.append(HuggingFace(f"HF assisted ({args.assistant})", model, n, eos, reference=HF,
                                assistant_model=assistant))  # fmt: skip
     return methods, []
+
+
+def eager_baseline(decoders, s: Settings, n: int) -> list[Method]:
+    """With --compile, our plain decoder eager as well: what the compile buys, in the same run."""
+    if not s.compile:
+        return []
+    from eagletools.decode import BaselineDecoder
+
+    eager = BaselineDecoder(decoders.runtime, decoders.target.tokenizer)
+    return [Decoder(f"{OURS} (eager)", eager, n)]
 
 
 def engine_groups(names: list[str], args) -> list[list[Method]]:

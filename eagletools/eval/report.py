@@ -49,6 +49,11 @@ def _row(name: str, s: dict) -> list[str]:
     ]
 
 
+def cpu_of(machine: dict) -> str:
+    """The CPU a run names (`timing.cpu_model`; older results have only the platform's)."""
+    return machine.get("cpu") or machine["processor"]
+
+
 def load_warning(machine: dict) -> list[str]:
     """A bold line when other work loaded the machine during timing (over half its cores)."""
     load = machine.get("load_during_timing")  # absent in results from before it was measured
@@ -151,7 +156,7 @@ def markdown(results: dict) -> str:
     if (results.get("tree") or {}).get("tune"):
         lines += trial_lines("tree shape tune", results["tree"]["tune"])
     m = results["machine"]
-    lines += ["", f"machine: {m['processor']}, {m['cpu_count']} CPUs, torch {m['torch']}, "
+    lines += ["", f"machine: {cpu_of(m)}, {m['cpu_count']} CPUs, torch {m['torch']}, "
               f"{m['torch_threads']} threads, load average {m['load_average_at_start']}"]  # fmt: skip
     return "\n".join(lines) + "\n"
 
@@ -338,7 +343,7 @@ def methods_markdown(rows: list[dict], notes: list[str], header: dict, machine: 
     lines = [
         "# Results: eagletools against Hugging Face decoders",
         "",
-        f"Measured {header['date']} on {machine['processor']}, {machine['cpu_count']} cores, "
+        f"Measured {header['date']} on {cpu_of(machine)}, {machine['cpu_count']} cores, "
         f"torch {machine['torch']} with `benchmarks/compare.py` ({header['prompts']} MT-bench "
         f"first turns, {header['max_new_tokens']} new tokens, greedy, {header['dtype']}, target "
         f"`{header['target']}`, draft `{header['draft']}`, load average "
