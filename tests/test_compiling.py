@@ -64,3 +64,31 @@ def test_a_graph_rounds_to_bf16_where_the_program_does():
 
     step = compile_frozen(rotate_then_widen, "")
     assert torch.equal(step(x, cos, sin), rotate_then_widen(x, cos, sin))
+
+
+class Scaled(torch.nn.Module):
+    """A linear whose output a bool flag on a submodule changes, as `Attention.exact` does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = torch.nn.Linear(16, 16, bias=False)
+        self.inner.doubled = False
+
+    def forward(self, x):
+        y = self.inner(x)
+        return y * 2 if self.inner.doubled else y
+
+
+@torch.inference_mode()
+def test_a_frozen_step_follows_swapped_parameters_and_flags():
+    """The guards `frozen_module_guards` keeps: a parameter replaced by another object
+    (FSDP2's swap, `load_state_dict(assign=True)`) and a submodule's bool flag each
+    compile the step again; the module's hooks and types are not checked."""
+    model = Scaled().eval()
+    step = compile_frozen(model, "")
+    x = torch.randn(2, 16)
+    torch.testing.assert_close(step(x), model(x))
+    model.inner.weight = torch.nn.Parameter(torch.randn(16, 16), requires_grad=False)
+    torch.testing.assert_close(step(x), model(x))
+    model.inner.doubled = True
+    torch.testing.assert_close(step(x), model(x))

@@ -30,8 +30,8 @@ def bf16():
 def test_compiled_steps_follow_the_eager_ones_through_the_cache():
     """Several decode steps in fp32: the compiled forward writes and reads the KV
     cache (not frozen into the graph with the weights) as the eager one does, and
-    follows the cache when it grows midway: a new tensor, which the step's guards
-    (`compiling.frozen_module_guards` drops the modules' own) must still see."""
+    follows the cache when it grows midway (a new tensor of another shape; dynamo
+    recompiles for it whatever guards `compiling.frozen_module_guards` keeps)."""
     runtime = Transformer.from_hf(smollm2_shaped(), torch.float32)
     forward = compiled(runtime)
     g = torch.Generator().manual_seed(1)

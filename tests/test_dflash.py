@@ -181,3 +181,26 @@ def test_anchored_attention_scores_no_key_past_a_chunks_last_anchor(monkeypatch)
     with torch.no_grad():
         block.anchored_attention(q, k, k, context, context, anchors, 2, 4, None)
     assert seen == [6, 41, 61]  # chunks of 2 anchors (4 rows / 2 slots)
+
+
+def test_anchored_attention_reads_the_device_once_per_call():
+    """Each chunk's end comes from the anchors, which live on the device: read one by one,
+    a 32k-token row's ~64 chunks would stall a GPU 64 times per layer and step."""
+    from torch.overrides import TorchFunctionMode
+
+    from eagletools.train import block
+
+    class HostReads(TorchFunctionMode):
+        reads = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func in (torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__int__):
+                HostReads.reads += 1
+            return func(*args, **(kwargs or {}))
+
+    q, k = torch.randn(1, 4, 6 * 2, 8), torch.randn(1, 2, 6 * 2, 8)
+    context = torch.randn(1, 2, 100, 8)
+    anchors = torch.tensor([[3, 5, 9, 40, 41, 60]])
+    with torch.no_grad(), HostReads():
+        block.anchored_attention(q, k, k, context, context, anchors, 2, 2, None)
+    assert HostReads.reads == 1  # 6 chunks of one anchor
