@@ -1,5 +1,6 @@
 """CPU fast paths against the plain ops: packed linears (products, gradients, fresh
-weights) and argmax (ties)."""
+weights), our bf16 kernel (products, row independence, when it is taken) and argmax
+(ties)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import torch
 import torch.nn.functional as F
 from conftest import tiny_model
 
+from eagletools import cpu_ops, native
 from eagletools.cpu_ops import PackedLinear, argmax, linear, pack_linears, packing_available
 
 needs_packing = pytest.mark.skipif(not packing_available(), reason="no oneDNN bf16 packing")
+needs_native = pytest.mark.skipif(native.bf16_linear() is None, reason="no AVX2 or no compiler")
 
 
 def close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
@@ -43,6 +46,56 @@ def test_a_changed_weight_is_packed_again():
         assert close(linear(x, w, None), -2 * first, 1e-2)
         w.copy_(torch.randn(16, 32))
         assert close(linear(x, w, None), F.linear(x, w), 1e-2)
+
+
+@needs_native
+@pytest.mark.parametrize("out_features, in_features", [(13, 37), (40, 96), (64, 576)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 64])
+@pytest.mark.parametrize("bias", [False, True])
+def test_our_bf16_product_is_the_fp32_product_rounded(out_features, in_features, rows, bias):
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(out_features, in_features, generator=g).bfloat16()
+    b = torch.randn(out_features, generator=g).bfloat16() if bias else None
+    x = torch.randn(rows, in_features, generator=g).bfloat16()
+    want = F.linear(x.float(), w.float(), None if b is None else b.float())
+    got = native.bf16_linear()(x, w, b)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    # fp32 sums in another order than torch's: a bf16 step of the output at most
+    assert ((got.float() - want).abs() <= want.abs() / 128 + 1e-4).all()
+
+
+@needs_native
+def test_our_bf16_product_of_a_row_does_not_depend_on_the_others():
+    """What exact decoding needs: a token's row alone (plain decoding) and among a tree's
+    rows (verification) come out bit for bit the same, at every row count and place."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(72, 200, generator=g).bfloat16()
+    b = torch.randn(72, generator=g).bfloat16()
+    x = torch.randn(64, 200, generator=g).bfloat16()
+    op = native.bf16_linear()
+    alone = torch.cat([op(row[None], w, b) for row in x])
+    for rows in (2, 3, 4, 7, 33, 64):
+        assert torch.equal(op(x[:rows], w, b), alone[:rows]), rows
+    assert torch.equal(op(x.view(4, 16, 200), w, b), alone.view(4, 16, 72))
+    assert torch.equal(op(x.t().contiguous().t(), w, b), alone)
+
+
+def test_linear_takes_our_kernel_for_few_bf16_rows_where_onednn_cannot_pack(monkeypatch):
+    calls = []
+
+    def spy(x, w, b):
+        calls.append(len(x.reshape(-1, w.shape[1])))
+        return F.linear(x, w, b)
+
+    monkeypatch.setattr(cpu_ops, "packing_available", lambda: False)
+    monkeypatch.setattr(native, "bf16_linear", lambda: spy)
+    w = torch.randn(8, 16).bfloat16()
+    with torch.no_grad():
+        linear(torch.randn(3, 16).bfloat16(), w, None)
+        linear(torch.randn(65, 16).bfloat16(), w, None)  # many rows: torch's product
+        linear(torch.randn(3, 16), w.float(), None)  # fp32: torch's
+    linear(torch.randn(3, 16).bfloat16(), w.requires_grad_(), None)  # a gradient: torch's
+    assert calls == [3]
 
 
 def test_grad_flows_through_the_unpacked_path():

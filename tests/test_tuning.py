@@ -60,8 +60,9 @@ def test_no_shape_tunes_once_then_takes_the_cached_choice(tiny_target, tmp_path,
     calls = fake_timer(monkeypatch, speeds("1/3/4"))
     assert main(eval_args(tiny_target, tmp_path, "first")) == 0
     labels = [tuning.shape_label(g) for g in GRID]  # plain among them
-    # a warm-up, then each round in another order
-    assert calls == [labels, *(labels[r:] + labels[:r] for r in range(tuning.TUNE_ROUNDS))]
+    # a warm-up, a first round, then the rounds of plain and the shapes near the fastest
+    # (3x the others here), each in another order
+    assert calls == [labels, labels, ["1/3/4", "plain"], ["plain", "1/3/4"]]
     first = results(tmp_path, "first")
     assert first["tree"]["source"] == "tuned" and not first["tree"]["plain"]
     assert (first["settings"]["topk"], first["settings"]["depth"]) == (1, 3)
@@ -200,6 +201,20 @@ def test_no_candidate_is_timed_cold(tiny_target):
     for trial in tune["trials"]:
         assert trial["rounds"] == [8.0] * tuning.TUNE_ROUNDS and trial["tokens_per_s"] == 8.0
     assert tune["rounds"] == tuning.TUNE_ROUNDS
+
+
+@pytest.mark.parametrize(
+    "rates, chosen",
+    [
+        ({"plain": 20.0, "1/2/3": 20.5, "1/3/4": 19.0}, "plain"),  # 2.5%: within the noise
+        ({"plain": 20.0, "1/2/3": 21.0, "1/3/4": 19.0}, "1/2/3"),
+        ({"1/2/3": 21.0, "1/3/4": 22.0}, "1/3/4"),  # an --autotune grid may lack plain
+    ],
+)
+def test_a_shape_must_beat_plain_decoding_by_min_gain(rates, chosen):
+    trials = [{"topk": None if k == "plain" else 1, "label": k, "tokens_per_s": v}
+              for k, v in rates.items()]  # fmt: skip
+    assert tuning._best(trials)["label"] == chosen
 
 
 def test_the_load_meter_counts_other_processes_only(monkeypatch):

@@ -24,13 +24,16 @@ from dataclasses import dataclass
 
 import torch
 
+from eagletools import native
 from eagletools.data.chat import set_chat_template
 from eagletools.decode.engine import BaselineDecoder, SpeculativeDecoder
 from eagletools.decode.model import Transformer, compiled
 from eagletools.decode.sampling import Sampling
 from eagletools.decode.timing import loaded_by_others, machine_key
 from eagletools.decode.tuning import (
+    DROP_BELOW,
     FIXED_SHAPE,
+    MIN_GAIN,
     TUNE_PROMPTS,
     TUNE_ROUNDS,
     TUNE_TOKENS,
@@ -206,7 +209,8 @@ def tune_key(s: Settings, grid: Sequence[Shape | None]) -> dict:
         "fast_numerics": s.fast_numerics, "sampling": [s.temperature, s.top_k, s.top_p],
         "eagletools": __version__, "torch": torch.__version__,
         "grid": [shape_label(g) for g in grid], "prompts": len(TUNE_PROMPTS),
-        "tokens": TUNE_TOKENS, "rounds": TUNE_ROUNDS,
+        "tokens": TUNE_TOKENS, "rounds": TUNE_ROUNDS, "drop_below": DROP_BELOW,
+        "min_gain": MIN_GAIN, "cpu_kernels": native.in_use() if s.device == "cpu" else None,
     }  # fmt: skip
 
 

@@ -5,8 +5,11 @@ topk 4, depth 5, 16 nodes gave tau 1.8 at 0.97x plain decoding's tokens/s on
 2 cores). So a run that gives no shape times a grid (plain decoding and its draft
 kind's shapes, `DraftKind.shapes`) and keeps the fastest: plain decoding when no shape beats
 it (decode.session.choose_tree, which also caches the choice). Every shape
-is warmed on the prompts first, then takes each prompt in turn, in rounds
-(decode.timing), so a change in load hits them alike; medians are kept.
+is warmed first, then takes each prompt in turn, in rounds (decode.timing), so
+a change in load hits them alike; medians are kept. A shape far behind after the
+first round is not timed again, and a shape must beat plain decoding by
+`MIN_GAIN` to be chosen: a tie within the noise keeps the draft off, so two
+tunes on an idle machine choose alike.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ Shape = tuple[int, int, int]  # (topk, depth, num_draft_tokens)
 FIXED_SHAPE: Shape = (4, 5, 16)  # --no-tune; and the rest of a shape given in part
 TUNE_TOKENS = 64  # per prompt and shape: a small fixed budget
 TUNE_ROUNDS = 3  # timed rounds per shape after its warm-up; the median kept
+DROP_BELOW = 0.75  # of the first round's fastest: a shape this slow is not timed again
+MIN_GAIN = 1.03  # over plain decoding's tokens/s, for a shape to be chosen
 TUNE_PROMPTS = (
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
     "Explain how a hash table works, with a small Python example.",
@@ -169,10 +174,11 @@ def time_shapes(
     `prompts`: (the tune: its trials, the best and other processes' load while timing;
     the decoders, so the chosen one is kept, its compiled step not made again).
 
-    Every candidate first decodes every prompt untimed (compiled graphs, packed
+    Every candidate first decodes the first prompt untimed (compiled graphs, packed
     weights and caches at size: no cold candidate is timed). Then `rounds` rounds,
     each prompt through every candidate in turn, the order rotated each round; a
-    trial's tokens/s is the median of its rounds'.
+    trial's tokens/s is the median of its rounds'. After the first round only plain
+    decoding and the shapes within `DROP_BELOW` of its fastest go on.
     """
     tried = {shape: decoder(shape) for shape in grid}
     timed = [
@@ -181,7 +187,7 @@ def time_shapes(
         for shape, d in tried.items()
     ]  # fmt: skip
     conversations = [(p,) for p in prompts]
-    run_methods([timed], conversations, tokenizer, progress=False)  # the untimed warm-up
+    run_methods([timed], conversations[:1], tokenizer, progress=False)  # the untimed warm-up
     runs: dict[str, list[list[Run]]] = {}
     loads = []
     for r in range(rounds):
@@ -190,12 +196,25 @@ def time_shapes(
         loads.append(measured.machine["load_during_timing"])
         for key, got in measured.runs.items():
             runs.setdefault(key, []).append(got)
+        if r == 0:
+            rates = {d.key: _trial(None, runs[d.key])["tokens_per_s"] for d in timed}
+            keep = DROP_BELOW * max(rates.values())
+            timed = [d for d in timed if d.key == "plain" or rates[d.key] >= keep]
     trials = [_trial(shape, runs[shape_label(shape)]) for shape in grid]
-    best = max(trials, key=lambda t: t["tokens_per_s"])  # the first of equals: plain leads
+    best = _best(trials)
     tune = {"prompts": len(prompts), "max_new_tokens": max_new_tokens, "rounds": rounds,
             "trials": trials, "best": best,
             "load_during_timing": max(loads, key=lambda load: load["others"])}  # fmt: skip
     return tune, tried
+
+
+def _best(trials: list[dict]) -> dict:
+    """The fastest trial, plain decoding's unless a shape beats it by `MIN_GAIN`."""
+    plain = next((t for t in trials if t["topk"] is None), None)
+    fastest = max(trials, key=lambda t: t["tokens_per_s"])
+    if plain and fastest["tokens_per_s"] < MIN_GAIN * plain["tokens_per_s"]:
+        return plain
+    return fastest
 
 
 def _trial(shape: Shape | None, rounds: list[list[Run]]) -> dict:
