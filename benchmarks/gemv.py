@@ -1,9 +1,10 @@
-"""Rows times a weight on CPU, per SmolLM2-135M shape: `F.linear`, `torch.mv`, packed.
+"""Rows times a weight on CPU, per SmolLM2-135M shape: `F.linear`, `torch.mv`, packed, ours.
 
 Decoding multiplies 1 row (a token) or a few (a draft tree) by every weight;
 training's target forward multiplies hundreds. `packed` is oneDNN's product with the
 bf16 weight pre-packed once (`eagletools.cpu_ops.packed_linear`) instead of at every
-call, timed at every row count, one row included. Each call
+call, timed at every row count, one row included; `ours` is our bf16 kernel
+(`eagletools.native.bf16_linear`), which decoding takes where oneDNN cannot pack. Each call
 takes the next of enough distinct weights (about 200 MB) that none is still in
 cache, as in a real forward. Prints microseconds per call (median of 5 rounds)
 and each method's speed-up over `F.linear`.
@@ -20,7 +21,9 @@ import time
 import torch
 import torch.nn.functional as F
 
+from eagletools import native
 from eagletools.cpu_ops import packed_linear, packed_weight, packing_available
+from eagletools.decode.timing import cpu_model
 
 SHAPES = {  # SmolLM2-135M: (out, in)
     "fused q/k/v": (960, 576),
@@ -57,7 +60,9 @@ def main() -> None:
     methods["torch.mv (1 row)"] = lambda w, x: torch.mv(w, x[0])
     if dtype == torch.bfloat16 and packing_available():
         methods["packed"] = lambda w, x: packed_linear(x, w, None)
-    print(f"dtype {args.dtype}, {torch.get_num_threads()} threads")
+    if dtype == torch.bfloat16 and (ours := native.bf16_linear()):
+        methods["ours"] = lambda w, x: ours(x, w, None)
+    print(f"dtype {args.dtype}, {torch.get_num_threads()} threads, {cpu_model()}")
     print(f"| weight | shape | rows | {' | '.join(methods)} | speed-up over F.linear |")
     print("|---|---|---|" + "---|" * (len(methods) + 1))
     with torch.inference_mode():

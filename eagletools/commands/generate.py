@@ -57,7 +57,7 @@ def add_decoding_args(p: argparse.ArgumentParser) -> None:
         "of a draft here times plain decoding and 4 chains and trees on 2 short prompts x 64 "
         "tokens (each warmed, then the median of 3 rounds), caches the fastest in the "
         "eagletools cache and drafts with it, or decodes plainly when no shape beat plain "
-        "decoding",
+        "decoding by 3%%",
     )
     p.add_argument("--dtype", default="bfloat16", type=dtype_arg, help="bf16, fp16 or fp32")
     add_device_argument(p)

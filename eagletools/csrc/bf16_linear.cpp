@@ -2,10 +2,10 @@
 //
 // Decoding multiplies 1 to 64 rows by each weight. On CPUs without AVX-512 BF16
 // (no oneDNN packing) torch's bf16 product of 4 rows takes 3x the time of one
-// (docs/lab.md, Part 8); this one reads each tile of 4 weight rows once for all
-// rows, widening bf16 to fp32 in registers (one row) or once into a small fp32
-// copy (more rows). Every output is one fp32 sum in a fixed order, so a row's
-// result never depends on how many rows share the call (exact decoding).
+// (benchmarks/gemv.py); this one reads each weight row once for every 3 input
+// rows, widening bf16 to fp32 in registers. Every output is one fp32 sum in a
+// fixed order, so a row's result never depends on how many rows share the call
+// (exact decoding: a token alone and in a draft tree get the same bits).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -14,59 +14,48 @@
 namespace {
 
 constexpr int64_t kLanes = 8;
-constexpr int64_t kBlock = 4;  // weight rows per tile
-constexpr int64_t kRows = 3;   // input rows per tile once a tile is widened: 3 x 4 sums in registers
+constexpr int kSums = 4;  // partial sums per output: chunk c goes to sum c % 4
+constexpr int kRows = 3;  // input rows per pass over a weight row: 3 x 4 sums in registers
 
-// The 8 weights at p as fp32: widened from bf16, or read from a widened copy.
-inline __m256 lanes(const at::BFloat16* p) {
+inline __m256 widen(const at::BFloat16* p) {
   __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
-inline __m256 lanes(const float* p) { return _mm256_loadu_ps(p); }
 
-inline float total(__m256 s) {
+inline float total(const __m256* sums) {
+  __m256 s = _mm256_add_ps(_mm256_add_ps(sums[0], sums[1]), _mm256_add_ps(sums[2], sums[3]));
   __m128 q = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
   q = _mm_add_ps(q, _mm_movehl_ps(q, q));
   q = _mm_add_ss(q, _mm_movehdup_ps(q));
   return _mm_cvtss_f32(q);
 }
 
-// out[r * ldo + j] = x[r] . w[j] for R input rows and B weight rows. Every output
-// is one fp32 sum over the 8-lane chunks in order, then a fixed horizontal sum,
-// then the tail: the same arithmetic whatever R, B or W's type.
-template <int R, int B, typename W>
-inline void dots(const float* x, const W* w, int64_t k, float* out, int64_t ldo) {
-  __m256 acc[R][B];
+// out[r] = x[r] . w for R input rows and one weight row, each widened 8-lane
+// chunk of w read once for all R. Every output is the same arithmetic whatever R:
+// chunk c into partial sum c % 4, the sums added in a fixed tree, then the tail.
+template <int R>
+inline void dots(const float* x, const at::BFloat16* w, int64_t k, float* out) {
+  __m256 sums[R][kSums];
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < B; ++j) acc[r][j] = _mm256_setzero_ps();
-  const int64_t vec = k / kLanes * kLanes;
-  for (int64_t i = 0; i < vec; i += kLanes) {
-    __m256 wv[B];
-    for (int j = 0; j < B; ++j) wv[j] = lanes(w + j * k + i);
-    for (int r = 0; r < R; ++r) {
-      const __m256 xv = _mm256_loadu_ps(x + r * k + i);
-      for (int j = 0; j < B; ++j) acc[r][j] = _mm256_fmadd_ps(xv, wv[j], acc[r][j]);
+    for (int s = 0; s < kSums; ++s) sums[r][s] = _mm256_setzero_ps();
+  const int64_t chunks = k / kLanes;
+  int64_t c = 0;
+  for (; c + kSums <= chunks; c += kSums)
+    for (int s = 0; s < kSums; ++s) {
+      const __m256 wv = widen(w + (c + s) * kLanes);
+      for (int r = 0; r < R; ++r)
+        sums[r][s] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * k + (c + s) * kLanes), wv, sums[r][s]);
     }
+  for (int s = 0; c < chunks; ++c, ++s) {
+    const __m256 wv = widen(w + c * kLanes);
+    for (int r = 0; r < R; ++r)
+      sums[r][s] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * k + c * kLanes), wv, sums[r][s]);
   }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < B; ++j) {
-      float s = total(acc[r][j]);
-      for (int64_t t = vec; t < k; ++t) s += x[r * k + t] * static_cast<float>(w[j * k + t]);
-      out[r * ldo + j] = s;
-    }
-}
-
-// Rows [0, m) against one tile of B weight rows: a lone row reads the bf16 weight,
-// more rows share a widened fp32 copy of the tile (`wide`, B * k floats).
-template <int B>
-void tile(const float* x, int64_t m, const at::BFloat16* w, int64_t k, float* wide, float* out, int64_t ldo) {
-  if (m == 1) return dots<1, B>(x, w, k, out, ldo);
-  const int64_t size = B * k, vec = size / kLanes * kLanes;
-  for (int64_t i = 0; i < vec; i += kLanes) _mm256_storeu_ps(wide + i, lanes(w + i));
-  for (int64_t i = vec; i < size; ++i) wide[i] = static_cast<float>(w[i]);
-  int64_t r = 0;
-  for (; r + kRows <= m; r += kRows) dots<kRows, B>(x + r * k, wide, k, out + r * ldo, ldo);
-  for (; r < m; ++r) dots<1, B>(x + r * k, wide, k, out + r * ldo, ldo);
+  for (int r = 0; r < R; ++r) {
+    float t = total(sums[r]);
+    for (int64_t i = chunks * kLanes; i < k; ++i) t += x[r * k + i] * static_cast<float>(w[i]);
+    out[r] = t;
+  }
 }
 
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
@@ -82,19 +71,14 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, const std::opti
   const at::BFloat16* wp = weight.data_ptr<at::BFloat16>();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
-  const int64_t tiles = (n + kBlock - 1) / kBlock;
-  at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> wide(kBlock * k), acc(m * kBlock);
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t j0 = t * kBlock, width = std::min(kBlock, n - j0);
-      if (width == kBlock) {
-        tile<kBlock>(xp, m, wp + j0 * k, k, wide.data(), acc.data(), kBlock);
-      } else {
-        for (int64_t j = 0; j < width; ++j) tile<1>(xp, m, wp + (j0 + j) * k, k, wide.data(), acc.data() + j, kBlock);
-      }
-      for (int64_t r = 0; r < m; ++r)
-        for (int64_t j = 0; j < width; ++j)
-          op[r * n + j0 + j] = at::BFloat16(acc[r * kBlock + j] + (bp ? bp[j0 + j] : 0.0f));
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(m);
+    for (int64_t j = begin; j < end; ++j) {
+      const at::BFloat16* row = wp + j * k;
+      int64_t r = 0;
+      for (; r + kRows <= m; r += kRows) dots<kRows>(xp + r * k, row, k, acc.data() + r);
+      for (; r < m; ++r) dots<1>(xp + r * k, row, k, acc.data() + r);
+      for (r = 0; r < m; ++r) op[r * n + j] = at::BFloat16(acc[r] + (bp ? bp[j] : 0.0f));
     }
   });
   auto shape = x.sizes().vec();
