@@ -17,8 +17,9 @@ SmolLM2's shapes tested): rows run in blocks of at most 32, on every CPU.
 beside the weight and is remade when the weight changes, so it doubles the
 memory of the layers that use it. Without grad only: it has no backward.
 Where oneDNN cannot pack bf16 (AVX2 CPUs), few rows go through our own
-kernel (`native.bf16_linear`): torch's product there costs 3x for 4 rows what
-it costs for one, ours 1.6x, and a row's result never depends on the others.
+kernel (`native.bf16_linear`): 1.1-1.4x torch's product at one row and
+2.1-3.6x at 3 to 8 (benchmarks/gemv.py, docs/lab.md Part 8), and a row's
+result never depends on the others.
 
 Attention's batched products under `torch.compile` on CPU: one opaque op
 (`batched_product`), since the compiled step builds every product it sees from
@@ -110,13 +111,21 @@ PACKED_MAX_ROWS = 64  # beyond, F.linear's own packing pays off (2 threads, bf16
 INVARIANT_ROWS = 32
 
 
+@functools.cache
+def product_route() -> str:
+    """How this process multiplies few bf16 rows on CPU, eagerly: `packed` (oneDNN, which
+    packs bf16 here), `native` (our kernel: AVX2 CPUs) or `torch` (`F.linear`)."""
+    return "packed" if packing_available() else "native" if native.bf16_linear() else "torch"
+
+
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, invariant: bool = True
 ) -> torch.Tensor:
     """`F.linear`, through the packed weight (`packed_linear`) or our kernel where faster.
 
     Under `torch.compile` plain `F.linear`: inductor's freezing packs the weight
-    itself (`decode.model.compiled` never gives it a lone row).
+    itself (`decode.model.compiled` never gives it a lone row). Our kernel called
+    from a compiled step made it slower (docs/lab.md, Part 8).
     """
     if torch.compiler.is_compiling():
         return F.linear(x, weight, bias)
@@ -127,10 +136,11 @@ def linear(
         and x.device.type == "cpu"
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
     ):
-        if packing_available():
+        route = product_route()
+        if route == "packed":
             return packed_linear(x, weight, bias, invariant)
-        if op := native.bf16_linear():
-            return op(x, weight, bias)
+        if route == "native":
+            return native.bf16_linear()(x, weight, bias)
     return F.linear(x, weight, bias)
 
 

@@ -41,13 +41,8 @@ def bf16_linear() -> Callable | None:
     return op
 
 
-def in_use() -> str | None:
-    """Which build of our kernels this process runs (their source's hash), None: torch's
-    ops; part of every key a measured speed is cached under."""
-    return _digest() if bf16_linear() else None
-
-
-def _digest() -> str:
+def source_digest() -> str:
+    """The hash of our kernels' source: part of every key a measured speed is cached under."""
     return hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
 
 
@@ -56,7 +51,7 @@ def _build() -> Callable:
 
     log.info("loading eagletools' CPU kernels (built once per machine, ~20 s)")
     load(
-        name=f"eagletools_cpu_{_digest()}",
+        name=f"eagletools_cpu_{source_digest()}",
         sources=[str(_SOURCE)],
         extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
         is_python_module=False,

@@ -89,13 +89,15 @@ def test_linear_takes_our_kernel_for_few_bf16_rows_where_onednn_cannot_pack(monk
 
     monkeypatch.setattr(cpu_ops, "packing_available", lambda: False)
     monkeypatch.setattr(native, "bf16_linear", lambda: spy)
+    cpu_ops.product_route.cache_clear()  # chosen again, with the above
+    monkeypatch.setattr(cpu_ops, "product_route", cpu_ops.product_route.__wrapped__)
     w = torch.randn(8, 16).bfloat16()
     with torch.no_grad():
         linear(torch.randn(3, 16).bfloat16(), w, None)
         linear(torch.randn(65, 16).bfloat16(), w, None)  # many rows: torch's product
         linear(torch.randn(3, 16), w.float(), None)  # fp32: torch's
     linear(torch.randn(3, 16).bfloat16(), w.requires_grad_(), None)  # a gradient: torch's
-    assert calls == [3]
+    assert calls == [3] and cpu_ops.product_route() == "native"
 
 
 def test_grad_flows_through_the_unpacked_path():

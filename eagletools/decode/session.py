@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eagletools import native
+from eagletools import cpu_ops, native
 from eagletools.data.chat import set_chat_template
 from eagletools.decode.engine import BaselineDecoder, SpeculativeDecoder
 from eagletools.decode.model import Transformer, compiled
@@ -210,8 +210,16 @@ def tune_key(s: Settings, grid: Sequence[Shape | None]) -> dict:
         "eagletools": __version__, "torch": torch.__version__,
         "grid": [shape_label(g) for g in grid], "prompts": len(TUNE_PROMPTS),
         "tokens": TUNE_TOKENS, "rounds": TUNE_ROUNDS, "drop_below": DROP_BELOW,
-        "min_gain": MIN_GAIN, "cpu_kernels": native.in_use() if s.device == "cpu" else None,
+        "min_gain": MIN_GAIN, "products": products_key(s.device),
     }  # fmt: skip
+
+
+def products_key(device: str) -> str | None:
+    """How the CPU's products run (`cpu_ops.product_route`, our kernel by its source)."""
+    if device != "cpu":
+        return None
+    route = cpu_ops.product_route()
+    return f"native {native.source_digest()}" if route == "native" else route
 
 
 def choose_tree(
