@@ -68,3 +68,12 @@ def test_the_first_budget_spent_ends_the_run_and_the_largest_share_moves_the_rat
     assert not by_tokens.spent(50, 999) and by_tokens.progress(50, 250, 0.0) == 0.25
     assert s.learning_rate(0, 0, 0.0) == pytest.approx(0.5)  # warmup's first step
     assert s.learning_rate(12, 0, 0.0) == pytest.approx(0.0)  # cosine to the floor
+
+
+def test_the_bar_ends_where_the_first_budget_will():
+    """`make demo` trains 16 minutes of a 936-step plan: its bar and ETA say ~216, not 936."""
+    s = Schedule(total=936, warmup=10, lr=1.0, budget_s=960.0)
+    assert s.end_step(0, 0, 0.0) == 936
+    assert s.end_step(54, 0, 240.0) == 216  # a quarter of the time at step 54
+    assert s.end_step(900, 0, 10.0) == 936  # the steps run out first
+    assert Schedule(total=100, warmup=0, lr=1.0, max_tokens=1000).end_step(10, 500, 0.0) == 20

@@ -110,6 +110,14 @@ class Schedule:
         """The steps or the tokens (global counts, the same on every rank) are used up."""
         return (self.by_steps and step >= self.total) or tokens >= (self.max_tokens or math.inf)
 
+    def end_step(self, step: int, tokens: int, seconds: float) -> int:
+        """The step the run will end at, at its pace so far (the progress bar's length):
+        `total`, or fewer where the tokens or the time will run out first."""
+        share = self.progress(step, tokens, seconds)
+        if step <= 0 or share <= 0:
+            return self.total
+        return max(step, min(self.total, round(step / share)))
+
     def late(self, seconds: float) -> bool:
         """This rank's time is up (ranks differ: the trainer stops all on the first late)."""
         return self.budget_s is not None and seconds >= self.budget_s

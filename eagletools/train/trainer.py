@@ -434,6 +434,7 @@ class Trainer:
             speed = (self.state.tokens - start_tokens) / (time.perf_counter() - start)
             metrics["tokens_per_s"] = speed
             self.history.append({"step": step, "loss": metrics["loss"], "lr": metrics["lr"]})
+            bar.total = self.schedule.end_step(step, self.state.tokens, self.state.seconds)
             bar.update(1)
             bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc0=f"{metrics['acc_0']:.2f}",
                             tok_s=f"{speed:.0f}")  # fmt: skip
