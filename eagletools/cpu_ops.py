@@ -26,6 +26,9 @@ Attention's batched products under `torch.compile` on CPU: one opaque op
 inductor's C++ GEMM template (`compiling.compile_frozen`), which has no form for
 these (a dynamic key count, float64).
 
+RMSNorm: one C++ call eagerly in bf16 (`rms_norm`); so is the attention of few
+queries over the decoder's caches (`attention_op`): ~15 ops a layer before.
+
 Argmax over a vocabulary: `max(dim).indices` is faster than `argmax` on CPU
 (bf16 and fp32; docs/lab.md, Part 3) and keeps its rule for ties, the first
 maximum.
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -182,6 +186,37 @@ def _opaque_product(a: torch.Tensor, b: torch.Tensor, alpha: float) -> torch.Ten
 @_opaque_product.register_fake
 def _(a: torch.Tensor, b: torch.Tensor, alpha: float) -> torch.Tensor:
     return a.new_empty(a.shape[0], a.shape[1], b.shape[2])
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim. Eagerly in bf16 on CPU without grad, our one-call op
+    (`native.rms_norm`, Hugging Face's roundings): torch's takes ~50 us of small ops at
+    one row, 61 times a SmolLM2 token. Else `F.rms_norm`, the weight in x's dtype."""
+    if (
+        x.dtype == torch.bfloat16
+        and weight.dtype == torch.bfloat16
+        and x.device.type == "cpu"
+        and not torch.compiler.is_compiling()
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        and (op := native.rms_norm())
+    ):
+        return op(x, weight, eps)
+    return F.rms_norm(x, weight.shape, weight.to(x.dtype), eps)
+
+
+def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Callable | None:
+    """Our one-call attention of few queries (`native.few_query_attention`) where it takes
+    these eagerly: CPU, an fp32 K and an fp32 or fp64 V (the decoder's caches); else None."""
+    if (
+        torch.compiler.is_compiling()
+        or q.device.type != "cpu"
+        or k.dtype != torch.float32
+        or v.dtype not in (torch.float32, torch.float64)
+        or k.stride(-1) != 1
+        or v.stride(-1) != 1
+    ):
+        return None
+    return native.few_query_attention()
 
 
 def argmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:

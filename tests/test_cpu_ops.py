@@ -100,6 +100,33 @@ def test_linear_takes_our_kernel_for_few_bf16_rows_where_onednn_cannot_pack(monk
     assert calls == [3] and cpu_ops.product_route() == "native"
 
 
+@needs_native
+@pytest.mark.parametrize("dim", [37, 576])
+def test_our_rms_norm_rounds_as_hugging_face_llama_norm(dim):
+    g = torch.Generator().manual_seed(dim)
+    x = torch.randn(2, 7, dim, generator=g).bfloat16()
+    w = torch.randn(dim, generator=g).bfloat16()
+    with torch.no_grad():
+        got = cpu_ops.rms_norm(x, w, 1e-5)
+    h = x.float()
+    hf = w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)).bfloat16()
+    assert got.shape == x.shape and got.dtype == torch.bfloat16
+    assert close(got, hf, 1e-2)
+    alone = torch.stack([native.rms_norm()(row, w, 1e-5) for row in x.view(-1, dim)])
+    assert torch.equal(alone.view_as(got), got)  # a row's bits never follow the others
+
+
+def test_rms_norm_keeps_torch_for_gradients_and_other_dtypes():
+    x = torch.randn(3, 16).bfloat16().requires_grad_()
+    w = torch.ones(16)  # fp32 master weights under bf16 autocast
+    out = cpu_ops.rms_norm(x, w, 1e-6)
+    out.float().sum().backward()
+    assert x.grad is not None and out.dtype == torch.bfloat16
+    torch.testing.assert_close(
+        cpu_ops.rms_norm(x.float(), w, 1e-6), F.rms_norm(x.float(), (16,), w, 1e-6)
+    )
+
+
 def test_grad_flows_through_the_unpacked_path():
     layer = PackedLinear(32, 8).bfloat16()
     x = torch.randn(5, 32).bfloat16().requires_grad_()
@@ -159,3 +186,44 @@ def test_a_rows_product_does_not_depend_on_the_other_rows(out_features, in_featu
         assert torch.equal(linear(x[7].view(1, 1, -1), w, None).view(1, -1), alone[7:8])
         for rows in (2, 5, 16, 32, 33, 63, 64):
             assert torch.equal(linear(x[:rows], w, None), alone[:rows])
+
+
+@needs_native
+@pytest.mark.parametrize("v_dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("t, mask", [(1, None), (4, "causal"), (5, "rows")])
+def test_our_attention_matches_the_grouped_products(v_dtype, t, mask):
+    from eagletools.decode.model import _grouped_attention, extend_mask
+
+    g = torch.Generator().manual_seed(t)
+    s = 40
+    q = torch.randn(2, 6, t, 64, generator=g).bfloat16()
+    k = torch.randn(2, 2, 64, 64, generator=g)[:, :, :s]  # a cache view: strided rows
+    v = torch.randn(2, 2, 64, 64, generator=g).to(v_dtype)[:, :, :s]
+    m = {
+        None: None,
+        "causal": extend_mask(s - t, t),
+        "rows": torch.rand(2, t, s, generator=g) > 0.3,
+    }[mask]
+    got = cpu_ops.attention_op(q, k, v)(q, k, v, m, 64**-0.5)
+    assert got.dtype == q.dtype and got.shape == q.shape
+    assert close(got, _grouped_attention(q, k, v, m, True), 1e-2)
+
+
+@needs_native
+def test_our_attention_of_a_tree_path_equals_the_same_tokens_decoded_plainly():
+    """Exact decoding's need: a node of a draft tree attends to its ancestors among
+    hidden siblings; plain decoding later holds the same keys contiguous, bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    prefix, nodes = 30, 6
+    q = torch.randn(1, 9, 1, 64, generator=g).bfloat16()
+    k = torch.randn(1, 3, prefix + nodes, 64, generator=g)
+    v = torch.randn(1, 3, prefix + nodes, 64, generator=g).double()
+    path = [0, 2, 5]  # the node's ancestors and itself, siblings hidden between
+    visible = torch.zeros(1, prefix + nodes, dtype=torch.bool)
+    visible[0, :prefix] = True
+    visible[0, [prefix + i for i in path]] = True
+    op = cpu_ops.attention_op(q, k, v)
+    in_tree = op(q, k, v, visible, 0.125)
+    keep = visible[0]
+    plain = op(q, k[:, :, keep].contiguous(), v[:, :, keep].contiguous(), None, 0.125)
+    assert torch.equal(in_tree, plain)

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = (
     "eagletools/eval/data/spec_bench/question.jsonl",
     "eagletools/eval/data/spec_bench/LICENSE",
-    "eagletools/csrc/bf16_linear.cpp",  # built on the user's machine (eagletools.native)
+    "eagletools/csrc/bf16_ops.cpp",  # built on the user's machine (eagletools.native)
 )
 
 

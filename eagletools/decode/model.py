@@ -20,7 +20,7 @@ from torch import nn
 from eagletools import kernels
 from eagletools.attention import causal_attention, heads_for_mask
 from eagletools.compiling import compile_frozen
-from eagletools.cpu_ops import PackedLinear, batched_product
+from eagletools.cpu_ops import PackedLinear, attention_op, batched_product
 from eagletools.draft.model import RMSNorm, meta_device
 from eagletools.errors import UserError
 from eagletools.rope import RotaryEmbedding
@@ -213,7 +213,9 @@ def attention(q, k, v, mask: torch.Tensor | None, exact: bool = True) -> torch.T
     runs as two; pinned in tests); the softmax sum and the value sum, whose
     rounding follows each key's place in the row, run in float64, where that
     order moves a result by ~1e-16, 2^-40 of the bf16 step the output is
-    rounded to.
+    rounded to. Eagerly over the decoder's caches all of it is one C++ call
+    (`cpu_ops.attention_op`), where each query sums its visible keys in slot
+    order, so hidden keys between them change nothing, bit for bit.
     """
     b, hq, t, d = q.shape
     s = k.shape[2]
@@ -229,6 +231,8 @@ def attention(q, k, v, mask: torch.Tensor | None, exact: bool = True) -> torch.T
         )
     if mask is None and t > 1:
         mask = extend_mask(s - t, t, device=q.device)
+    if (op := attention_op(q, k, v)) is not None:  # eagerly: the same numerics, one call
+        return op(q, k, v, mask, d**-0.5)
     if exact and t == 1:
         # a lone query's fp32 score product takes another GEMM kernel on some CPUs (an
         # EPYC, Zen 4), rounding apart from the many-query one: run it as two copies

@@ -210,16 +210,17 @@ def tune_key(s: Settings, grid: Sequence[Shape | None]) -> dict:
         "eagletools": __version__, "torch": torch.__version__,
         "grid": [shape_label(g) for g in grid], "prompts": len(TUNE_PROMPTS),
         "tokens": TUNE_TOKENS, "rounds": TUNE_ROUNDS, "drop_below": DROP_BELOW,
-        "min_gain": MIN_GAIN, "products": products_key(s.device),
+        "min_gain": MIN_GAIN, "cpu_ops": cpu_ops_key(s.device),
     }  # fmt: skip
 
 
-def products_key(device: str) -> str | None:
-    """How the CPU's products run (`cpu_ops.product_route`, our kernel by its source)."""
+def cpu_ops_key(device: str) -> str | None:
+    """How a CPU step runs: its products' route (`cpu_ops.product_route`) and our C++
+    kernels by their source's hash, or none."""
     if device != "cpu":
         return None
-    route = cpu_ops.product_route()
-    return f"native {native.source_digest()}" if route == "native" else route
+    built = native.source_digest() if native.bf16_linear() else "none"
+    return f"products {cpu_ops.product_route()}, kernels {built}"
 
 
 def choose_tree(

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eagletools.attention import causal_attention, heads_for_mask
-from eagletools.cpu_ops import linear
+from eagletools.cpu_ops import linear, rms_norm
 from eagletools.draft.config import DraftConfig
 from eagletools.rope import RotaryEmbedding, apply_rope
 from eagletools.targets import anatomy
@@ -58,10 +58,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # One fused op that normalises in fp32: per-op overhead matters at batch 1 on CPU.
-        # The weight follows x's dtype (fp32 master weights under bf16 autocast), since
-        # the fused kernel needs both alike.
-        return F.rms_norm(x, self.weight.shape, self.weight.to(x.dtype), self.eps)
+        # One op that normalises in fp32: per-op overhead matters at batch 1 on CPU. The
+        # weight follows x's dtype (fp32 master weights under bf16 autocast).
+        return rms_norm(x, self.weight, self.eps)
 
 
 def later_layer_name(i: int) -> str:
