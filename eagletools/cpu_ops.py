@@ -115,6 +115,16 @@ PACKED_MAX_ROWS = 64  # beyond, F.linear's own packing pays off (2 threads, bf16
 INVARIANT_ROWS = 32
 
 
+def _bf16_cpu_no_grad(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Where our CPU ops may stand in for torch's: bf16 on CPU, no gradient to carry."""
+    return (
+        x.dtype == torch.bfloat16
+        and weight.dtype == torch.bfloat16
+        and x.device.type == "cpu"
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+    )
+
+
 @functools.cache
 def product_route() -> str:
     """How this process multiplies few bf16 rows on CPU, eagerly: `packed` (oneDNN, which
@@ -133,13 +143,7 @@ def linear(
     """
     if torch.compiler.is_compiling():
         return F.linear(x, weight, bias)
-    if (
-        x.numel() <= PACKED_MAX_ROWS * weight.shape[1]
-        and x.dtype == torch.bfloat16
-        and weight.dtype == torch.bfloat16
-        and x.device.type == "cpu"
-        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-    ):
+    if x.numel() <= PACKED_MAX_ROWS * weight.shape[1] and _bf16_cpu_no_grad(x, weight):
         route = product_route()
         if route == "packed":
             return packed_linear(x, weight, bias, invariant)
@@ -193,11 +197,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     (`native.rms_norm`, Hugging Face's roundings): torch's takes ~50 us of small ops at
     one row, 61 times a SmolLM2 token. Else `F.rms_norm`, the weight in x's dtype."""
     if (
-        x.dtype == torch.bfloat16
-        and weight.dtype == torch.bfloat16
-        and x.device.type == "cpu"
-        and not torch.compiler.is_compiling()
-        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        not torch.compiler.is_compiling()
+        and _bf16_cpu_no_grad(x, weight)
         and (op := native.rms_norm())
     ):
         return op(x, weight, eps)
